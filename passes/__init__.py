@@ -1,0 +1,27 @@
+"""Graph passes of graphshard: pure functions ``fn(graph_module, plan) -> graph_module``.
+
+They run on FX graphs with fake tensors and need no process group, so they are unit-tested
+in one process and used offline on models far larger than the machine.
+"""
+
+from passes.dedupe import dedupe_unshard
+from passes.lower_reduce_grad import lower_reduce_grad
+from passes.lower_unshard import lower_unshard
+from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard, shard_shape
+from passes.plan import Bucket, Plan, collect_buckets
+from passes.reshard import reshard
+
+__all__ = [
+    "UNSHARD",
+    "REDUCE_GRAD",
+    "Bucket",
+    "Plan",
+    "collect_buckets",
+    "dedupe_unshard",
+    "is_reduce_grad",
+    "is_unshard",
+    "lower_reduce_grad",
+    "lower_unshard",
+    "reshard",
+    "shard_shape",
+]

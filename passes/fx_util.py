@@ -1,0 +1,48 @@
+"""Small helpers for building FX nodes whose ``meta["val"]`` stays valid."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+__all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class NodeMaker:
+    """Appends ``call_function`` nodes at the graph's current insert point, with fake ``val``s.
+
+    The value is computed by running the op on the inputs' ``meta["val"]`` under the graph's
+    own fake mode, so shapes, dtypes and strides are exactly what the op produces.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        """Insert ``target(*args, **kwargs)`` and fill in its ``meta["val"]``."""
+        node = self.graph.call_function(target, args, kwargs)
+        if self.fake_mode is not None:
+            fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+            with self.fake_mode, contextlib.suppress(Exception):
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+
+def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Position of every node in ``graph``."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def replace_and_erase(old: fx.Node, new: fx.Node) -> None:
+    """Point every user of ``old`` at ``new`` and drop ``old``."""
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)

@@ -1,0 +1,90 @@
+"""Lower the ``unshard`` markers of each bucket into one all-gather.
+
+One collective per bucket pays the latency once for all its parameters: the bucket's shards
+are flattened into one buffer, gathered rank-major, and each parameter is rebuilt from its
+column of the gathered ``[world, bucket_numel]`` matrix, with dim-0 padding cut off.
+The gather is placed just before the bucket's first marker (its first use); the scheduling
+passes move it earlier.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+from passes.fx_util import NodeMaker, aten, c10d, graph_order, replace_and_erase
+from passes.markers import is_unshard, marker_args, shard_shape
+from passes.plan import Bucket, Plan, collect_buckets
+
+__all__ = ["lower_unshard"]
+
+
+def lower_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Replace every bucket's ``unshard`` markers with one all-gather, its wait and views."""
+    make = NodeMaker(gm.graph)
+    for bucket in collect_buckets(gm.graph, is_unshard):
+        _lower_bucket(gm.graph, make, bucket)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _insert_point(graph: fx.Graph, bucket: Bucket) -> fx.Node:
+    """The first marker of the bucket, or later if a shard input is defined after it."""
+    order = graph_order(graph)
+    anchor = bucket.nodes[0]
+    for node in bucket.nodes:
+        shard = marker_args(node).shard
+        if order[shard] >= order[anchor]:
+            anchor = shard.next
+    return anchor
+
+
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
+    # Tied parameters appear once per shard input: one slot in the flat buffer each.
+    slots: dict[fx.Node, list[fx.Node]] = {}
+    for node in bucket.nodes:
+        slots.setdefault(marker_args(node).shard, []).append(node)
+    first = marker_args(bucket.nodes[0])
+    world, group = first.world_size, first.group_name
+
+    with graph.inserting_before(_insert_point(graph, bucket)):
+        numels = [math.prod(shard_shape(marker_args(ns[0]).full_shape, world)) for ns in slots.values()]
+        flats = [make(aten.view.default, shard, [-1]) for shard in slots]
+        flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
+        gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
+        gathered.meta["graphshard"] = f"unshard bucket {bucket.index}"
+        waited = make(c10d.wait_tensor.default, gathered)
+        matrix = make(aten.view.default, waited, [world, sum(numels)])
+        rebuilt = {}
+        offset = 0
+        for (shard, nodes), numel in zip(slots.items(), numels):
+            args = marker_args(nodes[0])
+            rebuilt[shard] = _rebuild(make, matrix, offset, numel, sum(numels), args, world)
+            offset += numel
+    for shard, nodes in slots.items():
+        for node in nodes:
+            replace_and_erase(node, rebuilt[shard])
+
+
+def _rebuild(
+    make: NodeMaker, matrix: fx.Node, offset: int, numel: int, total: int, args, world: int
+) -> fx.Node:
+    """The full parameter from its ``[world, numel]`` column block of the gathered matrix."""
+    full_shape = list(args.full_shape)
+    padded_shape = [world * shard_shape(full_shape, world)[0], *full_shape[1:]]
+    if total == numel:
+        column = matrix
+    else:
+        column = make(aten.slice.Tensor, matrix, 1, offset, offset + numel)
+        column = make(aten.clone.default, column, memory_format=torch.contiguous_format)
+    padded = make(aten.view.default, column, padded_shape)
+    dim0 = full_shape[0] if full_shape else 1
+    if dim0 != padded_shape[0]:
+        padded = make(aten.slice.Tensor, padded, 0, 0, dim0)
+    if full_shape == padded_shape:
+        return padded
+    return make(aten.view.default, padded, full_shape)
+

@@ -1,0 +1,30 @@
+"""Decide, per ``unshard`` marker of the joint graph, whether the full parameter is kept for backward.
+
+Resharding after forward (ZeRO-3) means the forward must not save the gathered parameter:
+tagging the marker ``MUST_RECOMPUTE`` makes the min-cut partitioner save the shard instead
+and gather again in the backward. ``MUST_SAVE`` keeps it (ZeRO-2: no second gather, more
+memory). This runs before partitioning; the markers are lowered only afterwards, because the
+partitioner always saves plain collectives.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from passes.markers import is_unshard, marker_args
+from passes.plan import Plan
+
+__all__ = ["reshard"]
+
+
+def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Tag each ``unshard`` with the recompute policy its ``reshard`` argument asks for."""
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            keep = not marker_args(node).reshard
+            node.meta["recompute"] = (
+                CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+            )
+            node.meta.setdefault("ac_graph_id", 0)
+    return gm
