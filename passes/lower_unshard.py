@@ -55,7 +55,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         flats = [make(aten.view.default, shard, [-1]) for shard in slots]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
         gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
-        gathered.meta["graphshard"] = f"unshard bucket {bucket.index}"
+        gathered.meta["graphshard"] = {"kind": "unshard", "bucket": bucket.index}
         waited = make(c10d.wait_tensor.default, gathered)
         matrix = make(aten.view.default, waited, [world, sum(numels)])
         rebuilt = {}
