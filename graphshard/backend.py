@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -58,6 +57,12 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
 class GraphshardBackend:
     """A ``torch.compile`` backend; ``torch.compile(model, backend=GraphshardBackend(...))``.
 
@@ -65,17 +70,16 @@ class GraphshardBackend:
         dump_dir: write every graph before and after every pass here (default: the
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
         prefetch_depth: all-gathers in flight ahead of compute (0 = none).
+        inductor: compile the transformed graphs with Inductor (default); False runs them
+            as they are, op by op, which is slower but shows exactly what the passes built.
     """
 
-    def __init__(self, *, dump_dir: str | None = None, prefetch_depth: int = 1) -> None:
+    def __init__(
+        self, *, dump_dir: str | None = None, prefetch_depth: int = 1, inductor: bool = True
+    ) -> None:
         self.dump_dir = dump_dir
+        self.inductor = inductor
         self.plan = Plan(prefetch_depth=prefetch_depth)
-
-    def with_options(self, **options: Any) -> GraphshardBackend:
-        """A copy with some options changed."""
-        new = GraphshardBackend(dump_dir=options.pop("dump_dir", self.dump_dir))
-        new.plan = replace(self.plan, **options)
-        return new
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -87,14 +91,16 @@ class GraphshardBackend:
             joint = run_passes("joint", joint, plan, dumper)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
+        finish = _inductor if self.inductor else _eager
+
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
-            return _inductor(run_passes("fw", fw, plan, dumper), inputs)
+            return finish(run_passes("fw", fw, plan, dumper), inputs)
 
         def bw_compiler(bw: fx.GraphModule, inputs: Sequence[Any]):
-            return _inductor(run_passes("bw", bw, plan, dumper), inputs, is_backward=True)
+            return finish(run_passes("bw", bw, plan, dumper), inputs, is_backward=True)
 
         def inference_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
-            return _inductor(run_passes("inference", fw, plan, dumper), inputs, is_inference=True)
+            return finish(run_passes("inference", fw, plan, dumper), inputs, is_inference=True)
 
         from torch._inductor.decomposition import select_decomp_table
 
@@ -108,12 +114,15 @@ class GraphshardBackend:
         return compiler(gm, example_inputs)
 
 
-def backend(*, dump_dir: str | None = None, prefetch_depth: int = 1) -> GraphshardBackend:
+def backend(
+    *, dump_dir: str | None = None, prefetch_depth: int = 1, inductor: bool = True
+) -> GraphshardBackend:
     """A configured graphshard backend for ``torch.compile(model, backend=...)``.
 
-    ``torch.compile(model, backend="graphshard")`` uses the defaults.
+    ``torch.compile(model, backend="graphshard")`` uses the defaults. See
+    :class:`GraphshardBackend` for the options.
     """
-    return GraphshardBackend(dump_dir=dump_dir, prefetch_depth=prefetch_depth)
+    return GraphshardBackend(dump_dir=dump_dir, prefetch_depth=prefetch_depth, inductor=inductor)
 
 
 def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
@@ -121,5 +130,7 @@ def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     return GraphshardBackend()(gm, example_inputs)
 
 
-if "graphshard" not in torch._dynamo.list_backends(exclude_tags=()):
+try:  # also reachable through the ``torch_dynamo_backends`` entry point of the installed package
     torch._dynamo.register_backend(_default_backend, name="graphshard")
+except AssertionError:  # already registered (module reloaded)
+    pass

@@ -67,7 +67,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
                 piece = make(aten.slice.Tensor, waited, 0, offset, offset + numel)
             shards.append(make(aten.view.default, piece, list(shape)))
             offset += numel
-    for node, shard in zip(list(bucket.nodes), shards):
+    for node, shard in zip(list(bucket.nodes), shards, strict=True):
         replace_and_erase(node, shard)
 
 

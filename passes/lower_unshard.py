@@ -50,8 +50,9 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
 
+    shapes = [shard_shape(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
+    numels = [math.prod(shape) for shape in shapes]
     with graph.inserting_before(_insert_point(graph, bucket)):
-        numels = [math.prod(shard_shape(marker_args(ns[0]).full_shape, world)) for ns in slots.values()]
         flats = [make(aten.view.default, shard, [-1]) for shard in slots]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
         gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
@@ -60,7 +61,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         matrix = make(aten.view.default, waited, [world, sum(numels)])
         rebuilt = {}
         offset = 0
-        for (shard, nodes), numel in zip(slots.items(), numels):
+        for (shard, nodes), numel in zip(slots.items(), numels, strict=True):
             args = marker_args(nodes[0])
             rebuilt[shard] = _rebuild(make, matrix, offset, numel, sum(numels), args, world)
             offset += numel

@@ -43,7 +43,7 @@ REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
 
 
 def shard_rows(full_shape: Sequence[int], world_size: int) -> int:
-    """Rows of dim 0 that each rank holds: ``ceil(dim0 / world_size)`` (a 0-D tensor counts as 1 row)."""
+    """Rows of dim 0 each rank holds: ``ceil(dim0 / world_size)`` (a 0-D tensor has 1 row)."""
     dim0 = full_shape[0] if len(full_shape) else 1
     return max(1, math.ceil(dim0 / world_size))
 

@@ -1,4 +1,4 @@
-"""``Plan`` (the options every pass reads) and ``Bucket`` (marker nodes lowered as one collective)."""
+"""``Plan`` (the options every pass reads) and ``Bucket`` (markers lowered as one collective)."""
 
 from __future__ import annotations
 

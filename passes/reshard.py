@@ -1,4 +1,4 @@
-"""Decide, per ``unshard`` marker of the joint graph, whether the full parameter is kept for backward.
+"""Decide per ``unshard`` marker of the joint graph whether the full parameter is kept.
 
 Resharding after forward (ZeRO-3) means the forward must not save the gathered parameter:
 tagging the marker ``MUST_RECOMPUTE`` makes the min-cut partitioner save the shard instead
