@@ -80,27 +80,36 @@ class GraphshardBackend:
         self.dump_dir = dump_dir
         self.inductor = inductor
         self.plan = Plan(prefetch_depth=prefetch_depth)
+        # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
+        self.graphs: list[dict[str, fx.GraphModule]] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         dumper = GraphDumper(self.dump_dir or dump_dir_from_env(), next(_graph_ids), rank)
         plan = self.plan
-        gm = run_passes("dynamo", gm, plan, dumper)
+        stages: dict[str, fx.GraphModule] = {}
+        self.graphs.append(stages)
+
+        def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
+            stages[stage] = run_passes(stage, graph, plan, dumper)
+            return stages[stage]
+
+        gm = run("dynamo", gm)
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-            joint = run_passes("joint", joint, plan, dumper)
+            joint = run("joint", joint)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         finish = _inductor if self.inductor else _eager
 
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
-            return finish(run_passes("fw", fw, plan, dumper), inputs)
+            return finish(run("fw", fw), inputs)
 
         def bw_compiler(bw: fx.GraphModule, inputs: Sequence[Any]):
-            return finish(run_passes("bw", bw, plan, dumper), inputs, is_backward=True)
+            return finish(run("bw", bw), inputs, is_backward=True)
 
         def inference_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
-            return finish(run_passes("inference", fw, plan, dumper), inputs, is_inference=True)
+            return finish(run("inference", fw), inputs, is_inference=True)
 
         from torch._inductor.decomposition import select_decomp_table
 

@@ -85,7 +85,6 @@ def _rebuild(
     dim0 = full_shape[0] if full_shape else 1
     if dim0 != padded_shape[0]:
         padded = make(aten.slice.Tensor, padded, 0, 0, dim0)
-    if full_shape == padded_shape:
-        return padded
-    return make(aten.view.default, padded, full_shape)
-
+    if not full_shape:  # a 0-D parameter travels as one row
+        padded = make(aten.view.default, padded, [])
+    return padded

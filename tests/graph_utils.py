@@ -1,0 +1,61 @@
+"""Helpers for graph-level tests: a fake process group and ways to read transformed graphs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+c10d = torch.ops._c10d_functional
+
+REBUILD_OPS = {
+    c10d.wait_tensor.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten._unsafe_view.default,
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int = 2, rank: int = 0):
+    """A fake process group for structure-only tests (collectives return garbage)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    """The call_function nodes of ``gm`` with ``target``, in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def gathered_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes that are an all-gather or derive from one through view/rebuild ops only."""
+    found = set(calls(gm, c10d.all_gather_into_tensor.default))
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in REBUILD_OPS:
+            if any(isinstance(a, fx.Node) and a in found for a in node.args):
+                found.add(node)
+    return found
+
+
+def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Node]:
+    """The forward graph's outputs beyond the user's: what it saves for backward."""
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    return [o for o in outputs[num_user_outputs:] if isinstance(o, fx.Node)]
+
+
+def graph_text(gm: fx.GraphModule, group_name: str) -> str:
+    """The readable graph without comments or file paths, with the group name as ``G``."""
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    lines = [ln.rstrip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return "\n".join(lines).replace(f"'{group_name}'", "'G'") + "\n"
