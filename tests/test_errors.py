@@ -1,0 +1,79 @@
+"""Bad input to shard(): each gets an error that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from graph_utils import fake_process_group
+from torch import nn
+
+import graphshard
+
+
+def test_no_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        graphshard.shard(nn.Linear(4, 4))
+
+
+def test_shard_twice():
+    with fake_process_group(2):
+        model = graphshard.shard(nn.Linear(4, 4))
+        with pytest.raises(RuntimeError, match="already sharded"):
+            graphshard.shard(model)
+
+
+def test_shard_twice_through_compiled_wrapper():
+    with fake_process_group(2):
+        model = torch.compile(graphshard.shard(nn.Linear(4, 4)), backend="graphshard")
+        with pytest.raises(RuntimeError, match="already sharded"):
+            graphshard.shard(model)
+
+
+def test_two_dimensional_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        with pytest.raises(ValueError, match="1-D DeviceMesh.*2 dimensions"):
+            graphshard.shard(nn.Linear(4, 4), mesh)
+
+
+def test_one_dimensional_mesh_is_accepted():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (4,))
+        model = graphshard.shard(nn.Linear(6, 4), mesh)
+        shards = dict(model.named_parameters())
+        assert shards["weight"].shape == (1, 6)  # 4 rows over 4 ranks
+        assert shards["bias"].shape == (1,)
+        assert model.weight.shape == (4, 6)  # attribute access unshards
+
+
+def test_meta_device_parameter():
+    with fake_process_group(2):
+        with torch.device("meta"):
+            model = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="'weight' is on the meta device.*to_empty"):
+            graphshard.shard(model)
+
+
+def test_parameter_in_two_buckets():
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"buckets\[0\] and buckets\[1\]"):
+            graphshard.shard(model, buckets=[[model[0]], [model]])
+
+
+def test_bucket_module_outside_the_model():
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="not a submodule"):
+            graphshard.shard(model, buckets=[nn.Linear(2, 2)])
+
+
+def test_full_state_dict_of_unsharded_model():
+    with pytest.raises(ValueError, match="call graphshard.shard"):
+        graphshard.full_state_dict(nn.Linear(2, 2))
