@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from passes.markers import REDUCE_GRAD, UNSHARD, shard_rows
+from passes.markers import REDUCE_GRAD, UNSHARD, UnshardArgs, shard_rows
 
 _c10d = torch.ops._c10d_functional
 
 
-def _unshard_eager(shard, full_shape, bucket, reshard, name, world_size, group_name):
+def _unshard_eager(shard, full_shape, *rest):
+    world_size, group_name = rest[-2:]
     if world_size == 1:
         return shard.reshape(full_shape).clone()
     gathered = _c10d.wait_tensor(
@@ -43,12 +44,13 @@ torch.library.register_kernel("graphshard::reduce_grad", None, _reduce_grad_eage
 
 
 def _unshard_setup(ctx, inputs, output):
-    _, _, ctx.bucket, _, ctx.name, ctx.world_size, ctx.group_name = inputs
+    ctx.marker = UnshardArgs(*inputs)
 
 
 def _unshard_backward(ctx, grad):
-    shard_grad = REDUCE_GRAD(grad, ctx.bucket, ctx.name, ctx.world_size, ctx.group_name)
-    return shard_grad, None, None, None, None, None, None
+    m = ctx.marker
+    shard_grad = REDUCE_GRAD(grad, m.bucket, m.name, m.world_size, m.group_name)
+    return (shard_grad,) + (None,) * (len(m) - 1)
 
 
 torch.library.register_autograd(

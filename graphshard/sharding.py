@@ -31,6 +31,7 @@ class ShardedParam:
     names: list[str]
     full_shape: torch.Size
     bucket: int
+    pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
     shard: nn.Parameter
 
 
@@ -214,7 +215,9 @@ def shard(
             if entry is None:
                 local = _local_shard(p, world_size, rank).to(p.device)
                 shard_param = nn.Parameter(local, requires_grad=p.requires_grad)
-                entry = ShardedParam([fqn], p.shape, bucket_of[id(p)], shard_param)
+                bucket = bucket_of[id(p)]
+                pinned = buckets is not None and bucket < len(bucket_names) - 1
+                entry = ShardedParam([fqn], p.shape, bucket, pinned, shard_param)
                 by_param[id(p)] = entry
                 state.params.append(entry)
             elif fqn not in entry.names:
@@ -231,6 +234,7 @@ def shard(
             specs[pname] = (
                 list(entry.full_shape),
                 entry.bucket,
+                entry.pinned,
                 reshard_after_forward,
                 entry.names[0],
                 world_size,

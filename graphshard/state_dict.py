@@ -23,7 +23,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     full_of = {}
     for entry in state.params:
         full = UNSHARD(
-            entry.shard.detach(), list(entry.full_shape), entry.bucket, True,
+            entry.shard.detach(), list(entry.full_shape), entry.bucket, True, True,
             entry.names[0], state.world_size, state.group_name,
         )
         for name in entry.names:

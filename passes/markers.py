@@ -31,8 +31,8 @@ __all__ = [
 
 _lib = torch.library.Library("graphshard", "DEF")
 _lib.define(
-    "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool reshard, str name, "
-    "int world_size, str group_name) -> Tensor"
+    "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, bool reshard, "
+    "str name, int world_size, str group_name) -> Tensor"
 )
 _lib.define(
     "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name) -> Tensor"
@@ -54,7 +54,7 @@ def shard_shape(full_shape: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 @torch.library.register_fake("graphshard::unshard")
-def _unshard_fake(shard, full_shape, bucket, reshard, name, world_size, group_name):
+def _unshard_fake(shard, full_shape, *rest):
     return shard.new_empty(full_shape)
 
 
@@ -84,6 +84,7 @@ class UnshardArgs(NamedTuple):
     shard: fx.Node
     full_shape: list[int]
     bucket: int
+    pinned: bool  # the user chose this bucket: bucketing strategies leave it alone
     reshard: bool
     name: str
     world_size: int
