@@ -22,7 +22,15 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
-from passes import Plan, dedupe_unshard, lower_reduce_grad, lower_unshard, reshard
+from passes import (
+    Plan,
+    dedupe_unshard,
+    lower_reduce_grad,
+    lower_unshard,
+    overlap_reduce,
+    prefetch,
+    reshard,
+)
 
 __all__ = ["backend", "GraphshardBackend", "PIPELINE"]
 
@@ -31,9 +39,9 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard],
     "joint": [reshard],
-    "fw": [lower_unshard],
-    "inference": [lower_unshard],
-    "bw": [lower_unshard, lower_reduce_grad],
+    "fw": [lower_unshard, prefetch],
+    "inference": [lower_unshard, prefetch],
+    "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
 }
 
 _graph_ids = itertools.count()

@@ -8,7 +8,9 @@ from passes.dedupe import dedupe_unshard
 from passes.lower_reduce_grad import lower_reduce_grad
 from passes.lower_unshard import lower_unshard
 from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard, shard_shape
+from passes.overlap_reduce import overlap_reduce
 from passes.plan import Bucket, Plan, collect_buckets
+from passes.prefetch import prefetch
 from passes.reshard import reshard
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "is_unshard",
     "lower_reduce_grad",
     "lower_unshard",
+    "overlap_reduce",
+    "prefetch",
     "reshard",
     "shard_shape",
 ]

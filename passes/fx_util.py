@@ -46,3 +46,48 @@ def replace_and_erase(old: fx.Node, new: fx.Node) -> None:
     """Point every user of ``old`` at ``new`` and drop ``old``."""
     old.replace_all_uses_with(new)
     old.graph.erase_node(old)
+
+
+def collectives(graph: fx.Graph, kind: str) -> list[fx.Node]:
+    """The lowered collectives of ``kind`` ("unshard" or "reduce_grad"), in graph order."""
+    return [n for n in graph.nodes if n.meta.get("graphshard", {}).get("kind") == kind]
+
+
+def wait_of(collective: fx.Node) -> fx.Node:
+    """The ``wait_tensor`` that completes ``collective``."""
+    (wait,) = [u for u in collective.users if u.target is c10d.wait_tensor.default]
+    return wait
+
+
+def ancestors_after(node: fx.Node, position: dict[fx.Node, int], start: int) -> list[fx.Node]:
+    """``node`` and the ancestors it needs that sit at or after ``start``, in graph order."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in found or current.op == "placeholder" or position[current] < start:
+            continue
+        found.add(current)
+        stack.extend(current.all_input_nodes)
+    return sorted(found, key=position.__getitem__)
+
+
+def descendants(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node that depends on it, in graph order (the output node excluded)."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in found or current.op == "output":
+            continue
+        found.add(current)
+        stack.extend(current.users)
+    position = graph_order(node.graph)
+    return sorted(found, key=position.__getitem__)
+
+
+def move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Move ``nodes`` (in their order) to sit just before ``anchor``."""
+    for node in nodes:
+        if node is not anchor:
+            anchor.prepend(node)

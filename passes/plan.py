@@ -17,6 +17,7 @@ class Plan:
     """Options that steer the passes. Identical on every rank, so the schedule is too."""
 
     prefetch_depth: int = 1
+    max_unsharded_bytes: int | None = None
 
 
 @dataclass

@@ -78,6 +78,12 @@ class GraphModule(torch.nn.Module):
         cat_default: "f32[106]" = torch.ops.aten.cat.default([view_default, view_default_1, view_default_2, view_default_3]);  view_default = view_default_1 = view_default_2 = view_default_3 = None
         all_gather_into_tensor_default: "f32[212]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 2, 'G');  cat_default = None
         wait_tensor_default: "f32[212]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+        view_default_9: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1])
+        view_default_10: "f32[6]" = torch.ops.aten.view.default(primals_7, [-1]);  primals_7 = None
+        view_default_11: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1])
+        view_default_12: "f32[4]" = torch.ops.aten.view.default(primals_9, [-1]);  primals_9 = None
+        cat_default_1: "f32[106]" = torch.ops.aten.cat.default([view_default_9, view_default_10, view_default_11, view_default_12]);  view_default_9 = view_default_10 = view_default_11 = view_default_12 = None
+        all_gather_into_tensor_default_1: "f32[212]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default_1, 2, 'G');  cat_default_1 = None
         view_default_4: "f32[2, 106]" = torch.ops.aten.view.default(wait_tensor_default, [2, 106]);  wait_tensor_default = None
         slice_tensor: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_4, 1, 0, 48)
         clone_default: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor, memory_format = torch.contiguous_format);  slice_tensor = None
@@ -97,13 +103,11 @@ class GraphModule(torch.nn.Module):
         permute_1: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_7, [1, 0]);  view_default_7 = None
         addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(view_default_8, relu, permute_1);  view_default_8 = permute_1 = None
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, addmm_1);  addmm_1 = None
-        view_default_9: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1])
-        view_default_10: "f32[6]" = torch.ops.aten.view.default(primals_7, [-1]);  primals_7 = None
-        view_default_11: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1])
-        view_default_12: "f32[4]" = torch.ops.aten.view.default(primals_9, [-1]);  primals_9 = None
-        cat_default_1: "f32[106]" = torch.ops.aten.cat.default([view_default_9, view_default_10, view_default_11, view_default_12]);  view_default_9 = view_default_10 = view_default_11 = view_default_12 = None
-        all_gather_into_tensor_default_1: "f32[212]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default_1, 2, 'G');  cat_default_1 = None
         wait_tensor_default_1: "f32[212]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
+        view_default_18: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1])
+        view_default_19: "f32[2]" = torch.ops.aten.view.default(primals_11, [-1]);  primals_11 = None
+        cat_default_2: "f32[18]" = torch.ops.aten.cat.default([view_default_18, view_default_19]);  view_default_18 = view_default_19 = None
+        all_gather_into_tensor_default_2: "f32[36]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default_2, 2, 'G');  cat_default_2 = None
         view_default_13: "f32[2, 106]" = torch.ops.aten.view.default(wait_tensor_default_1, [2, 106]);  wait_tensor_default_1 = None
         slice_tensor_4: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_13, 1, 0, 48)
         clone_default_4: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor_4, memory_format = torch.contiguous_format);  slice_tensor_4 = None
@@ -123,10 +127,6 @@ class GraphModule(torch.nn.Module):
         permute_3: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_16, [1, 0]);  view_default_16 = None
         addmm_3: "f32[4, 8]" = torch.ops.aten.addmm.default(view_default_17, relu_1, permute_3);  view_default_17 = permute_3 = None
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, addmm_3);  addmm_3 = None
-        view_default_18: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1])
-        view_default_19: "f32[2]" = torch.ops.aten.view.default(primals_11, [-1]);  primals_11 = None
-        cat_default_2: "f32[18]" = torch.ops.aten.cat.default([view_default_18, view_default_19]);  view_default_18 = view_default_19 = None
-        all_gather_into_tensor_default_2: "f32[36]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default_2, 2, 'G');  cat_default_2 = None
         wait_tensor_default_2: "f32[36]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
         view_default_20: "f32[2, 18]" = torch.ops.aten.view.default(wait_tensor_default_2, [2, 18]);  wait_tensor_default_2 = None
         slice_tensor_8: "f32[2, 16]" = torch.ops.aten.slice.Tensor(view_default_20, 1, 0, 16)
@@ -147,6 +147,10 @@ class GraphModule(torch.nn.Module):
         view_default: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1]);  primals_10 = None
         all_gather_into_tensor_default: "f32[32]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default, 2, 'G');  view_default = None
         wait_tensor_default: "f32[32]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+        view_default_3: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1]);  primals_8 = None
+        view_default_4: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1]);  primals_6 = None
+        cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default_3, view_default_4]);  view_default_3 = view_default_4 = None
+        all_gather_into_tensor_default_1: "f32[192]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 2, 'G');  cat_default = None
         view_default_1: "f32[2, 16]" = torch.ops.aten.view.default(wait_tensor_default, [2, 16]);  wait_tensor_default = None
         view_default_2: "f32[4, 8]" = torch.ops.aten.view.default(view_default_1, [4, 8]);  view_default_1 = None
         slice_tensor: "f32[3, 8]" = torch.ops.aten.slice.Tensor(view_default_2, 0, 0, 3);  view_default_2 = None
@@ -170,16 +174,9 @@ class GraphModule(torch.nn.Module):
         cat_default_1: "f32[2, 18]" = torch.ops.aten.cat.default([view_default_12, view_default_14], 1);  view_default_12 = view_default_14 = None
         view_default_15: "f32[36]" = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
         reduce_scatter_tensor_default: "f32[18]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_15, 'avg', 2, 'G');  view_default_15 = None
-        wait_tensor_default_3: "f32[18]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-        slice_tensor_3: "f32[2]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 0, 2)
-        view_default_16: "f32[2]" = torch.ops.aten.view.default(slice_tensor_3, [2]);  slice_tensor_3 = None
-        slice_tensor_4: "f32[16]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 2, 18);  wait_tensor_default_3 = None
-        view_default_17: "f32[2, 8]" = torch.ops.aten.view.default(slice_tensor_4, [2, 8]);  slice_tensor_4 = None
-        view_default_3: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1]);  primals_8 = None
-        view_default_4: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1]);  primals_6 = None
-        cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default_3, view_default_4]);  view_default_3 = view_default_4 = None
-        all_gather_into_tensor_default_1: "f32[192]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 2, 'G');  cat_default = None
         wait_tensor_default_1: "f32[192]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
+        view_default_8: "f32[48]" = torch.ops.aten.view.default(primals_4, [-1]);  primals_4 = None
+        all_gather_into_tensor_default_2: "f32[96]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_8, 2, 'G');  view_default_8 = None
         view_default_5: "f32[2, 96]" = torch.ops.aten.view.default(wait_tensor_default_1, [2, 96]);  wait_tensor_default_1 = None
         slice_tensor_1: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 48)
         clone_default: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
@@ -225,18 +222,12 @@ class GraphModule(torch.nn.Module):
         view_default_25: "f32[2, 48]" = torch.ops.aten.view.default(view_default_24, [2, 48]);  view_default_24 = None
         cat_default_2: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_19, view_default_21, view_default_23, view_default_25], 1);  view_default_19 = view_default_21 = view_default_23 = view_default_25 = None
         view_default_26: "f32[212]" = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
+        wait_tensor_default_3: "f32[18]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+        slice_tensor_3: "f32[2]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 0, 2)
+        view_default_16: "f32[2]" = torch.ops.aten.view.default(slice_tensor_3, [2]);  slice_tensor_3 = None
+        slice_tensor_4: "f32[16]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 2, 18);  wait_tensor_default_3 = None
+        view_default_17: "f32[2, 8]" = torch.ops.aten.view.default(slice_tensor_4, [2, 8]);  slice_tensor_4 = None
         reduce_scatter_tensor_default_1: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_26, 'avg', 2, 'G');  view_default_26 = None
-        wait_tensor_default_4: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-        slice_tensor_5: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 4)
-        view_default_27: "f32[4]" = torch.ops.aten.view.default(slice_tensor_5, [4]);  slice_tensor_5 = None
-        slice_tensor_6: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 4, 52)
-        view_default_28: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_6, [4, 12]);  slice_tensor_6 = None
-        slice_tensor_7: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 52, 58)
-        view_default_29: "f32[6]" = torch.ops.aten.view.default(slice_tensor_7, [6]);  slice_tensor_7 = None
-        slice_tensor_8: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
-        view_default_30: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_8, [6, 8]);  slice_tensor_8 = None
-        view_default_8: "f32[48]" = torch.ops.aten.view.default(primals_4, [-1]);  primals_4 = None
-        all_gather_into_tensor_default_2: "f32[96]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_8, 2, 'G');  view_default_8 = None
         wait_tensor_default_2: "f32[96]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
         view_default_9: "f32[2, 48]" = torch.ops.aten.view.default(wait_tensor_default_2, [2, 48]);  wait_tensor_default_2 = None
         view_default_10: "f32[8, 12]" = torch.ops.aten.view.default(view_default_9, [8, 12]);  view_default_9 = None
@@ -273,6 +264,15 @@ class GraphModule(torch.nn.Module):
         view_default_38: "f32[2, 48]" = torch.ops.aten.view.default(view_default_37, [2, 48]);  view_default_37 = None
         cat_default_3: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_32, view_default_34, view_default_36, view_default_38], 1);  view_default_32 = view_default_34 = view_default_36 = view_default_38 = None
         view_default_39: "f32[212]" = torch.ops.aten.view.default(cat_default_3, [-1]);  cat_default_3 = None
+        wait_tensor_default_4: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+        slice_tensor_5: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 4)
+        view_default_27: "f32[4]" = torch.ops.aten.view.default(slice_tensor_5, [4]);  slice_tensor_5 = None
+        slice_tensor_6: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 4, 52)
+        view_default_28: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_6, [4, 12]);  slice_tensor_6 = None
+        slice_tensor_7: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 52, 58)
+        view_default_29: "f32[6]" = torch.ops.aten.view.default(slice_tensor_7, [6]);  slice_tensor_7 = None
+        slice_tensor_8: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
+        view_default_30: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_8, [6, 8]);  slice_tensor_8 = None
         reduce_scatter_tensor_default_2: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_39, 'avg', 2, 'G');  view_default_39 = None
         wait_tensor_default_5: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
         slice_tensor_9: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_5, 0, 0, 4)
@@ -364,10 +364,13 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "bw_00_input.txt",
         "bw_01_lower_unshard.txt",
         "bw_02_lower_reduce_grad.txt",
+        "bw_03_prefetch.txt",
+        "bw_04_overlap_reduce.txt",
         "dynamo_00_input.txt",
         "dynamo_01_dedupe_unshard.txt",
         "fw_00_input.txt",
         "fw_01_lower_unshard.txt",
+        "fw_02_prefetch.txt",
         "joint_00_input.txt",
         "joint_01_reshard.txt",
     ]

@@ -1,0 +1,293 @@
+"""Analytic costs of graph nodes: α-β ring collectives, matmul FLOPs, memory-bound ops.
+
+The scheduling passes and the simulator need to compare communication with computation on
+graphs that are only ever traced with fake tensors, so every cost here comes from shapes in
+``node.meta["val"]`` and a :class:`HardwareProfile`; nothing runs and no process group is
+needed. Builtin profiles hold published peak figures; a calibrated JSON profile (measured on
+the real machine) overrides the builtin of the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import operator
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = [
+    "HardwareProfile",
+    "PROFILES",
+    "all_gather_time",
+    "all_reduce_time",
+    "collective_kind",
+    "get_profile",
+    "node_flops",
+    "node_time",
+    "profile_dir",
+    "reduce_scatter_time",
+    "save_profile",
+    "tensor_bytes",
+]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one rank can do per second, and what one ring hop costs."""
+
+    name: str
+    alpha_s: float  # latency of one ring hop (one step of a ring collective), seconds
+    bandwidth_Bps: float  # per-rank link bandwidth in one direction, bytes/s
+    peak_flops: float  # dense matmul FLOP/s assumed for FLOP-carrying ops
+    mem_bandwidth_Bps: float  # memory bandwidth for memory-bound ops, bytes/s
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("bandwidth_Bps", "peak_flops", "mem_bandwidth_Bps"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be positive")
+        if self.alpha_s < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: alpha_s must be >= 0")
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    # Intra-node NVLink 4: 18 links x 50 GB/s = 900 GB/s bidirectional, 450 GB/s per
+    # direction (NVIDIA H100 Tensor Core GPU datasheet / Hopper architecture whitepaper).
+    # 989 TFLOP/s dense BF16 tensor core, 3.35 TB/s HBM3 (H100 SXM5 datasheet).
+    # 3 us per ring hop is a typical NCCL small-message step latency within one node.
+    "h100-nvlink": HardwareProfile(
+        name="h100-nvlink",
+        alpha_s=3e-6,
+        bandwidth_Bps=450e9,
+        peak_flops=989e12,
+        mem_bandwidth_Bps=3.35e12,
+        source=(
+            "NVIDIA H100 SXM5 datasheet: NVLink 4 900 GB/s bidirectional (450 GB/s per "
+            "direction), dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 3 us/hop"
+        ),
+    ),
+    # Inter-node: one ConnectX-7 InfiniBand NDR 400 Gb/s port per GPU = 50 GB/s per rank
+    # (NVIDIA DGX H100 user guide). Same GPU figures as above; ~5 us per hop across nodes.
+    "h100-infiniband": HardwareProfile(
+        name="h100-infiniband",
+        alpha_s=5e-6,
+        bandwidth_Bps=50e9,
+        peak_flops=989e12,
+        mem_bandwidth_Bps=3.35e12,
+        source=(
+            "NVIDIA DGX H100: one InfiniBand NDR 400 Gb/s (50 GB/s) port per GPU; H100 SXM5 "
+            "datasheet: dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 5 us/hop"
+        ),
+    ),
+    # Loopback gloo on a 2-core CPU box: fp32 matmul measured around 100 GFLOP/s with 2
+    # threads, halved here; TCP loopback and copy bandwidth of a few GB/s, rounded down.
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo",
+        alpha_s=50e-6,
+        bandwidth_Bps=1e9,
+        peak_flops=50e9,
+        mem_bandwidth_Bps=5e9,
+        source="conservative defaults for gloo over loopback TCP on a small CPU machine",
+    ),
+}
+
+
+def profile_dir() -> Path:
+    """Where calibrated profiles live: ``$GRAPHSHARD_PROFILE_DIR`` or the user cache."""
+    env = os.environ.get("GRAPHSHARD_PROFILE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/graphshard/profiles").expanduser()
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """The profile called ``name``: a calibrated JSON file if there is one, else the builtin.
+
+    A calibrated file may give only some fields; the rest come from the builtin profile.
+    """
+    path = profile_dir() / f"{name}.json"
+    builtin = PROFILES.get(name)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        data["name"] = name
+        data.setdefault("source", f"calibrated: {path}")
+        if builtin is not None:
+            return dataclasses.replace(builtin, **data)
+        try:
+            return HardwareProfile(**data)
+        except TypeError as e:
+            raise ValueError(f"calibrated profile {path} is incomplete or malformed: {e}") from e
+    if builtin is None:
+        calibrated = sorted(p.stem for p in profile_dir().glob("*.json"))
+        known = ", ".join(sorted(set(PROFILES) | set(calibrated)))
+        raise ValueError(f"unknown hardware profile {name!r}; known profiles: {known}")
+    return builtin
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike | None = None) -> Path:
+    """Write ``profile`` as JSON (default: the calibrated-profile directory); return the path."""
+    target = Path(path) if path is not None else profile_dir() / f"{profile.name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(dataclasses.asdict(profile), indent=2) + "\n")
+    return target
+
+
+# --- α-β ring collectives --------------------------------------------------------------------
+
+
+def all_gather_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+    """Ring all-gather producing ``total_bytes`` (the full output) on ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return profile.alpha_s * (n - 1) + (n - 1) / n * total_bytes / profile.bandwidth_Bps
+
+
+def reduce_scatter_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+    """Ring reduce-scatter of a ``total_bytes`` (full) input on ``n`` ranks."""
+    return all_gather_time(total_bytes, n, profile)
+
+
+def all_reduce_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+    """Ring all-reduce: a reduce-scatter followed by an all-gather of ``total_bytes``."""
+    return 2 * all_gather_time(total_bytes, n, profile)
+
+
+# --- node costs ------------------------------------------------------------------------------
+
+_COLLECTIVES = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+}
+
+# Ops that only alias their input (or are bookkeeping) and move no bytes.
+_FREE_OPS = {
+    operator.getitem,
+    c10d.wait_tensor.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh.default,
+}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a collective start."""
+    if node.op != "call_function":
+        return None
+    return _COLLECTIVES.get(node.target)
+
+
+def _int(x: Any) -> int:
+    """A concrete int from an int or a SymInt (its hint when it is symbolic)."""
+    try:
+        return int(x)
+    except Exception:
+        hint = getattr(getattr(x, "node", None), "hint", None)
+        return int(hint) if hint is not None else 0
+
+
+def _tensors(val: Any) -> Iterator[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        yield val
+    elif isinstance(val, (list, tuple)):
+        for v in val:
+            yield from _tensors(v)
+
+
+def tensor_bytes(val: Any) -> int:
+    """Bytes of a tensor, or of all tensors in a (nested) tuple/list; 0 for anything else."""
+    return sum(_int(t.numel()) * t.element_size() for t in _tensors(val))
+
+
+def _shape(node: Any) -> list[int]:
+    return [_int(s) for s in node.meta["val"].shape]
+
+
+def _conv_flops(x: list[int], w: list[int], out: list[int], transposed: bool) -> int:
+    # Each output element (each input element for a transposed conv) takes one multiply-add
+    # per weight entry of one output channel: weight.numel() / weight.shape[0].
+    per_elem = math.prod(w[1:])
+    return 2 * math.prod(x if transposed else out) * per_elem
+
+
+def _sdpa_flops(q: list[int], k: list[int], v: list[int]) -> int:
+    *batch, s_q, d = q
+    s_k, d_v = k[-2], v[-1]
+    return 2 * math.prod(batch) * s_q * s_k * (d + d_v)  # QK^T and PV
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of matmul-like ``node`` (a multiply-add counts 2); 0 for other ops."""
+    if node.op != "call_function" or "val" not in node.meta:
+        return 0
+    target, args = node.target, node.args
+    if target is aten.mm.default:
+        (m, k), n = _shape(args[0]), _shape(args[1])[1]
+        return 2 * m * n * k
+    if target is aten.addmm.default:  # the bias add is not counted
+        (m, k), n = _shape(args[1]), _shape(args[2])[1]
+        return 2 * m * n * k
+    if target in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (args[0], args[1]) if target is aten.bmm.default else (args[1], args[2])
+        (batch, m, k), n = _shape(a), _shape(b)[2]
+        return 2 * batch * m * n * k
+    if target is aten.convolution.default:
+        return _conv_flops(_shape(args[0]), _shape(args[1]), _shape(node), bool(args[6]))
+    if target is aten.convolution_backward.default:
+        grad_out, x, w = (_shape(a) for a in args[:3])
+        mask = args[10]
+        # grad_input and grad_weight each cost one forward convolution.
+        return _conv_flops(x, w, grad_out, bool(args[7])) * (int(mask[0]) + int(mask[1]))
+    name = getattr(target, "__name__", "")
+    if "_scaled_dot_product" in name and "attention" in name:
+        if "backward" in name:  # dQ, dK, dV and dP: twice the forward matmuls
+            return 2 * _sdpa_flops(*(_shape(a) for a in args[1:4]))
+        return _sdpa_flops(*(_shape(a) for a in args[:3]))
+    return 0
+
+
+def _is_free(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return True
+    return node.target in _FREE_OPS or bool(getattr(node.target, "is_view", False))
+
+
+def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None = None) -> float:
+    """Seconds ``node`` takes on ``profile``: comm time, FLOPs / peak, or bytes / memory bw.
+
+    ``world_size`` is the group size of ``all_reduce`` nodes, whose arguments do not say it.
+    """
+    kind = collective_kind(node)
+    if kind == "all_gather":
+        return all_gather_time(tensor_bytes(node.meta["val"]), int(node.args[1]), profile)
+    if kind == "reduce_scatter":
+        full = tensor_bytes(node.args[0].meta["val"])
+        return reduce_scatter_time(full, int(node.args[2]), profile)
+    if kind == "all_reduce":
+        if world_size is None:
+            raise ValueError(f"{node.name}: all_reduce needs world_size to be costed")
+        return all_reduce_time(tensor_bytes(node.meta["val"]), world_size, profile)
+    if _is_free(node):
+        return 0.0
+    flops = node_flops(node)
+    if flops:
+        return flops / profile.peak_flops
+    out = tensor_bytes(node.meta.get("val"))
+    if out == 0:
+        return 0.0
+    inputs: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), inputs.append)
+    moved = out + sum(tensor_bytes(a.meta.get("val")) for a in inputs)
+    return moved / profile.mem_bandwidth_Bps

@@ -1,0 +1,29 @@
+"""Let each gradient reduce-scatter overlap the next bucket's backward compute.
+
+Lowering issues a bucket's reduce-scatter as soon as its last gradient exists and waits at
+once. This pass delays the wait (and the views that cut the result into shards) to just
+before the next reduce-scatter is issued, or before the graph's output for the last one:
+one reduction in flight under the following bucket's compute, and no more, so the padded
+full-size gradients it reads are not all kept alive to the end.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from passes.fx_util import collectives, descendants, move_before, wait_of
+from passes.plan import Plan
+
+__all__ = ["overlap_reduce"]
+
+
+def overlap_reduce(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Delay each reduce-scatter's wait to the next reduce-scatter's issue (or the output)."""
+    reduces = collectives(gm.graph, "reduce_grad")
+    output = gm.graph.find_nodes(op="output")[0]
+    for k, reduce in enumerate(reduces):
+        anchor = reduces[k + 1] if k + 1 < len(reduces) else output
+        move_before(descendants(wait_of(reduce)), anchor)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,55 @@
+"""Issue each bucket's all-gather ahead of the compute it feeds (forward and backward alike).
+
+With depth d, the gather of the k-th bucket in graph order is issued right after the wait of
+bucket k-d, so it runs on the wire while bucket k-d..k-1 compute; its wait stays just before
+its first use. At most d + 1 gathers are ever in flight. ``plan.max_unsharded_bytes`` caps the
+gathered bytes alive at once: where the cap would be exceeded, that gather is issued later.
+The move depends only on the graph and the plan, so every rank issues the same order.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from passes.fx_util import ancestors_after, collectives, graph_order, move_before, wait_of
+from passes.plan import Plan
+
+__all__ = ["prefetch", "gathered_bytes"]
+
+
+def gathered_bytes(gather: fx.Node) -> int:
+    """Bytes of the gathered (unsharded) buffer an all-gather produces."""
+    val = gather.meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _issue_after(sizes: list[int], depth: int, cap: int | None) -> list[int | None]:
+    """For bucket k, the bucket whose wait it is issued after (None: leave it in place)."""
+    anchors: list[int | None] = []
+    floor = -1  # issue order must follow bucket order
+    for k in range(len(sizes)):
+        d = min(depth, k)
+        while d > 0 and cap is not None and sum(sizes[k - d : k + 1]) > cap:
+            d -= 1
+        j = max(k - d, floor)
+        anchors.append(None if j == k else j)
+        floor = j
+    return anchors
+
+
+def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Move the all-gathers earlier by ``plan.prefetch_depth`` buckets, within the memory cap."""
+    gathers = collectives(gm.graph, "unshard")
+    if plan.prefetch_depth <= 0 or len(gathers) < 2:
+        return gm
+    sizes = [gathered_bytes(g) for g in gathers]
+    for k, j in enumerate(_issue_after(sizes, plan.prefetch_depth, plan.max_unsharded_bytes)):
+        if j is None:
+            continue
+        anchor = wait_of(gathers[j]).next
+        position = graph_order(gm.graph)
+        chain = ancestors_after(gathers[k], position, position[anchor])
+        move_before(chain, anchor)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

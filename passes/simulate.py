@@ -1,0 +1,190 @@
+"""Replay a scheduled graph on one compute stream and one comm stream, using the cost model.
+
+It answers the questions the scheduling passes are about without a cluster: how much
+communication is hidden behind compute, how much stalls the step (exposed communication),
+and how many unsharded bytes are alive at once. Nodes run in graph order; a collective is
+issued on the comm stream when compute reaches it (and the stream is free), and
+``wait_tensor`` stalls compute until that collective has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from passes.cost_model import (
+    HardwareProfile,
+    collective_kind,
+    node_flops,
+    node_time,
+    tensor_bytes,
+)
+
+__all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# Ops through which the lowered passes rebuild parameters from a gathered buffer: the buffer
+# stays alive as long as anything derived through them is still used.
+_REBUILD_OPS = {
+    c10d.wait_tensor.default,
+    aten.view.default,
+    aten.slice.Tensor,
+    aten.clone.default,
+    aten.permute.default,
+    aten.t.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.alias.default,
+}
+
+
+@dataclass
+class Event:
+    """One interval on a lane; ``kind`` is unshard/reduce_grad/<collective>/compute/exposed."""
+
+    name: str
+    lane: str  # "compute" or "comm"
+    start: float
+    end: float
+    bucket: int | None = None
+    kind: str = "compute"
+    ops: int = 1  # nodes merged into this event
+    flops: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """The simulated step: its events and the totals the scheduling passes care about."""
+
+    events: list[Event] = field(default_factory=list)
+    total_time: float = 0.0
+    compute_time: float = 0.0
+    comm_time: float = 0.0
+    exposed_comm: float = 0.0
+    peak_unsharded_bytes: int = 0
+    profile: str = ""
+
+
+class _ComputeRun:
+    """Consecutive compute nodes, merged into one event so that timelines stay readable."""
+
+    def __init__(self) -> None:
+        self.nodes: list[fx.Node] = []
+        self.start = self.end = 0.0
+        self.flops = 0
+
+    def add(self, node: fx.Node, start: float, end: float) -> None:
+        if not self.nodes:
+            self.start = start
+        self.nodes.append(node)
+        self.end = end
+        self.flops += node_flops(node)
+
+    def flush(self, events: list[Event]) -> None:
+        if self.nodes:
+            first, n = self.nodes[0].name, len(self.nodes)
+            name = first if n == 1 else f"{first} (+{n - 1} ops)"
+            events.append(Event(name, "compute", self.start, self.end, None, "compute", n,
+                                self.flops))
+        self.nodes = []
+        self.flops = 0
+
+
+def _label(node: fx.Node) -> tuple[str, int | None]:
+    tag = node.meta.get("graphshard") or {}
+    return tag.get("kind") or collective_kind(node) or "comm", tag.get("bucket")
+
+
+def _waited_collective(node: fx.Node, ends: dict[fx.Node, float]) -> fx.Node | None:
+    if node.op != "call_function" or node.target is not c10d.wait_tensor.default:
+        return None
+    src = node.args[0]
+    return src if src in ends else None
+
+
+def simulate(
+    gm_or_graph: fx.GraphModule | fx.Graph,
+    profile: HardwareProfile,
+    *,
+    world_size: int | None = None,
+) -> Timeline:
+    """Simulate one execution of the graph on ``profile``.
+
+    ``world_size`` is needed only to cost ``all_reduce`` nodes.
+    """
+    graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
+    tl = Timeline(profile=profile.name)
+    compute_t = comm_free = 0.0
+    ends: dict[fx.Node, float] = {}
+    run = _ComputeRun()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if collective_kind(node) is not None:
+            run.flush(tl.events)
+            dur = node_time(node, profile, world_size=world_size)
+            start = max(compute_t, comm_free)
+            comm_free = ends[node] = start + dur
+            kind, bucket = _label(node)
+            tl.events.append(Event(node.name, "comm", start, comm_free, bucket, kind))
+            tl.comm_time += dur
+            continue
+        src = _waited_collective(node, ends)
+        if src is not None:
+            run.flush(tl.events)
+            if ends[src] > compute_t:
+                _, bucket = _label(src)
+                tl.events.append(
+                    Event(f"wait {src.name}", "compute", compute_t, ends[src], bucket, "exposed")
+                )
+                tl.exposed_comm += ends[src] - compute_t
+                compute_t = ends[src]
+            continue
+        dur = node_time(node, profile, world_size=world_size)
+        if dur > 0:
+            run.add(node, compute_t, compute_t + dur)
+            compute_t += dur
+            tl.compute_time += dur
+    run.flush(tl.events)
+    tl.total_time = max(compute_t, comm_free)
+    tl.peak_unsharded_bytes = peak_unsharded_bytes(graph)
+    return tl
+
+
+def peak_unsharded_bytes(graph: fx.Graph) -> int:
+    """Most all-gathered bytes alive at one graph position.
+
+    A gathered buffer is alive from its all-gather until the last use of anything derived
+    from it through the rebuild ops (wait, views, slices, clones).
+    """
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 1)
+    for node in nodes:
+        if collective_kind(node) != "all_gather":
+            continue
+        derived, stack, last = {node}, [node], order[node]
+        while stack:
+            for user in stack.pop().users:
+                last = max(last, order[user])
+                if user.op == "call_function" and user.target in _REBUILD_OPS:
+                    if user not in derived:
+                        derived.add(user)
+                        stack.append(user)
+        size = tensor_bytes(node.meta.get("val"))
+        delta[order[node]] += size
+        delta[last + 1] -= size
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak
