@@ -121,9 +121,9 @@ def get_profile(name: str) -> HardwareProfile:
         data = json.loads(path.read_text())
         data["name"] = name
         data.setdefault("source", f"calibrated: {path}")
-        if builtin is not None:
-            return dataclasses.replace(builtin, **data)
         try:
+            if builtin is not None:
+                return dataclasses.replace(builtin, **data)
             return HardwareProfile(**data)
         except TypeError as e:
             raise ValueError(f"calibrated profile {path} is incomplete or malformed: {e}") from e

@@ -93,8 +93,9 @@ class _ComputeRun:
         if self.nodes:
             first, n = self.nodes[0].name, len(self.nodes)
             name = first if n == 1 else f"{first} (+{n - 1} ops)"
-            events.append(Event(name, "compute", self.start, self.end, None, "compute", n,
-                                self.flops))
+            events.append(
+                Event(name, "compute", self.start, self.end, None, "compute", n, self.flops)
+            )
         self.nodes = []
         self.flops = 0
 

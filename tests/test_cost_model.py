@@ -1,0 +1,147 @@
+"""The α-β collective formulas, FLOP counts of traced matmuls, and profile loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes.cost_model import (
+    PROFILES,
+    HardwareProfile,
+    all_gather_time,
+    all_reduce_time,
+    get_profile,
+    node_flops,
+    node_time,
+    reduce_scatter_time,
+    save_profile,
+)
+
+aten = torch.ops.aten
+
+# Round numbers so that every expected figure below is worked out by hand.
+PROF = HardwareProfile(
+    "test", alpha_s=1e-5, bandwidth_Bps=1e9, peak_flops=1e12, mem_bandwidth_Bps=1e11
+)
+
+
+def test_all_gather_time_by_hand():
+    # 4 ranks, 8 MB gathered: 3 hops * 10 us + 3/4 * 8e6 B / 1e9 B/s = 30 us + 6 ms
+    assert all_gather_time(8e6, 4, PROF) == pytest.approx(3e-5 + 6e-3)
+
+
+def test_reduce_scatter_time_by_hand():
+    # 8 ranks, 16 MB full input: 7 * 10 us + 7/8 * 16e6 / 1e9 = 70 us + 14 ms
+    assert reduce_scatter_time(16e6, 8, PROF) == pytest.approx(7e-5 + 1.4e-2)
+
+
+def test_all_reduce_time_by_hand():
+    # 2 ranks, 4 MB: 2 * 1 * 10 us + 2 * 1/2 * 4e6 / 1e9 = 20 us + 4 ms
+    assert all_reduce_time(4e6, 2, PROF) == pytest.approx(2e-5 + 4e-3)
+
+
+def test_one_rank_costs_nothing():
+    assert all_gather_time(1e9, 1, PROF) == 0.0
+    assert reduce_scatter_time(1e9, 1, PROF) == 0.0
+    assert all_reduce_time(1e9, 1, PROF) == 0.0
+
+
+def test_builtin_profiles_use_published_figures():
+    nvlink, ib = PROFILES["h100-nvlink"], PROFILES["h100-infiniband"]
+    assert nvlink.bandwidth_Bps == 450e9 and ib.bandwidth_Bps == 50e9
+    assert nvlink.peak_flops == ib.peak_flops == 989e12
+    assert nvlink.mem_bandwidth_Bps == 3.35e12
+    assert "cpu-gloo" in PROFILES
+    assert all(p.source for p in PROFILES.values())
+
+
+def _nodes(fn, *shapes):
+    gm = make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+    return {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_node_flops_of_matmuls():
+    def fn(a, b, bias, x, y):
+        return torch.mm(a, b), torch.addmm(bias, a, b), torch.bmm(x, y)
+
+    nodes = _nodes(fn, (3, 5), (5, 7), (7,), (4, 6, 8), (4, 8, 2))
+    assert node_flops(nodes[aten.mm.default]) == 2 * 3 * 7 * 5
+    assert node_flops(nodes[aten.addmm.default]) == 2 * 3 * 7 * 5
+    assert node_flops(nodes[aten.bmm.default]) == 2 * 4 * 6 * 2 * 8
+
+
+def test_node_time_compute_and_memory_bound():
+    nodes = _nodes(lambda a, b: (a @ b).relu(), (64, 32), (32, 16))
+    mm, relu = nodes[aten.mm.default], nodes[aten.relu.default]
+    assert node_time(mm, PROF) == pytest.approx(2 * 64 * 16 * 32 / 1e12)
+    # relu reads and writes a 64x16 fp32 tensor: 2 * 4096 B at 1e11 B/s
+    assert node_time(relu, PROF) == pytest.approx(2 * 64 * 16 * 4 / 1e11)
+
+
+def test_views_are_free():
+    nodes = _nodes(lambda a: a.view(-1).clone(), (4, 4))
+    assert node_time(nodes[aten.view.default], PROF) == 0.0
+    assert node_time(nodes[aten.clone.default], PROF) == pytest.approx(2 * 16 * 4 / 1e11)
+
+
+def test_unknown_profile_lists_known_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="h100-nvlink") as info:
+        get_profile("tpu-v9")
+    assert "tpu-v9" in str(info.value) and "cpu-gloo" in str(info.value)
+
+
+def test_builtin_profile_without_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path))
+    assert get_profile("cpu-gloo") == PROFILES["cpu-gloo"]
+
+
+def test_calibrated_json_overrides_builtin(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path))
+    (tmp_path / "cpu-gloo.json").write_text(json.dumps({"alpha_s": 1.5e-4, "peak_flops": 7e10}))
+    prof = get_profile("cpu-gloo")
+    assert prof.alpha_s == 1.5e-4 and prof.peak_flops == 7e10
+    assert prof.bandwidth_Bps == PROFILES["cpu-gloo"].bandwidth_Bps  # not calibrated: builtin
+    assert "calibrated" in prof.source
+
+
+def test_save_then_load_new_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path / "profiles"))
+    mine = HardwareProfile("my-box", 2e-6, 3e9, 4e11, 5e10, source="measured")
+    path = save_profile(mine)
+    assert path == tmp_path / "profiles" / "my-box.json"
+    assert get_profile("my-box") == mine
+
+
+def test_node_flops_of_convolution_and_attention():
+    def fn(x, w, q, k, v):
+        conv = torch.nn.functional.conv2d(x, w, stride=2, padding=1)
+        return conv, torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    shapes = [(2, 3, 8, 8), (4, 3, 3, 3), (2, 4, 16, 8), (2, 4, 32, 8), (2, 4, 32, 8)]
+    nodes = _nodes(fn, *shapes)
+    # output [2, 4, 4, 4]: one multiply-add per output element and weight entry of a channel
+    assert node_flops(nodes[aten.convolution.default]) == 2 * (2 * 4 * 4 * 4) * (3 * 3 * 3)
+    (attn,) = [n for t, n in nodes.items() if "scaled_dot_product" in str(t)]
+    assert node_flops(attn) == 4 * 2 * 4 * 16 * 32 * 8
+
+
+def test_node_flops_of_convolution_backward():
+    def fn(g, x, w):
+        return aten.convolution_backward(
+            g, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False]
+        )
+
+    nodes = _nodes(fn, (2, 4, 6, 6), (2, 3, 8, 8), (4, 3, 3, 3))
+    forward = 2 * (2 * 4 * 6 * 6) * (3 * 3 * 3)
+    assert node_flops(nodes[aten.convolution_backward.default]) == 2 * forward
+
+
+def test_malformed_calibration_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path))
+    (tmp_path / "half.json").write_text(json.dumps({"alpha_s": 1e-6}))
+    with pytest.raises(ValueError, match="half.json"):
+        get_profile("half")
