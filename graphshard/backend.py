@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -77,17 +78,24 @@ class GraphshardBackend:
     Args:
         dump_dir: write every graph before and after every pass here (default: the
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
-        prefetch_depth: all-gathers in flight ahead of compute (0 = none).
         inductor: compile the transformed graphs with Inductor (default); False runs them
             as they are, op by op, which is slower but shows exactly what the passes built.
+        **plan_options: the scheduling and bucketing options of :class:`passes.Plan`
+            (``prefetch_depth``, ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``,
+            ``profile``).
     """
 
     def __init__(
-        self, *, dump_dir: str | None = None, prefetch_depth: int = 1, inductor: bool = True
+        self, *, dump_dir: str | None = None, inductor: bool = True, **plan_options: Any
     ) -> None:
+        unknown = set(plan_options) - {f.name for f in fields(Plan)}
+        if unknown:
+            known = ", ".join(["dump_dir", "inductor", *(f.name for f in fields(Plan))])
+            raise TypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
+                            f"known: {known}")
         self.dump_dir = dump_dir
         self.inductor = inductor
-        self.plan = Plan(prefetch_depth=prefetch_depth)
+        self.plan = Plan(**plan_options)
         # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
         self.graphs: list[dict[str, fx.GraphModule]] = []
 
@@ -131,15 +139,13 @@ class GraphshardBackend:
         return compiler(gm, example_inputs)
 
 
-def backend(
-    *, dump_dir: str | None = None, prefetch_depth: int = 1, inductor: bool = True
-) -> GraphshardBackend:
+def backend(**options: Any) -> GraphshardBackend:
     """A configured graphshard backend for ``torch.compile(model, backend=...)``.
 
     ``torch.compile(model, backend="graphshard")`` uses the defaults. See
-    :class:`GraphshardBackend` for the options.
+    :class:`GraphshardBackend` and :class:`passes.Plan` for the options.
     """
-    return GraphshardBackend(dump_dir=dump_dir, prefetch_depth=prefetch_depth, inductor=inductor)
+    return GraphshardBackend(**options)
 
 
 def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):

@@ -12,12 +12,38 @@ from passes.markers import marker_args
 __all__ = ["Plan", "Bucket", "collect_buckets"]
 
 
+BUCKETING = ("block", "size", "auto")
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Options that steer the passes. Identical on every rank, so the schedule is too."""
+    """Options that steer the passes. Identical on every rank, so the schedule is too.
+
+    Attributes:
+        prefetch_depth: buckets gathered ahead of the one computing (0 = gather on use).
+        max_unsharded_bytes: cap on gathered bytes alive at once (None = no cap); prefetch
+            is shortened and ``auto`` buckets are sized to respect it.
+        bucketing: ``"block"`` keeps the buckets ``shard()`` chose from module structure;
+            ``"size"`` packs parameters in execution order up to ``bucket_bytes``;
+            ``"auto"`` picks boundaries with the cost model. Buckets the user named in
+            ``shard(buckets=[...])`` are kept by every strategy.
+        bucket_bytes: the byte cap of the ``"size"`` strategy.
+        profile: the hardware profile the ``"auto"`` strategy's cost model uses.
+    """
 
     prefetch_depth: int = 1
     max_unsharded_bytes: int | None = None
+    bucketing: str = "block"
+    bucket_bytes: int = 25 * 2**20
+    profile: str = "cpu-gloo"
+
+    def __post_init__(self) -> None:
+        if self.bucketing not in BUCKETING:
+            raise ValueError(f"bucketing must be one of {BUCKETING}, got {self.bucketing!r}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
 
 
 @dataclass

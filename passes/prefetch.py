@@ -1,8 +1,9 @@
 """Issue each bucket's all-gather ahead of the compute it feeds (forward and backward alike).
 
 With depth d, the gather of the k-th bucket in graph order is issued right after the wait of
-bucket k-d, so it runs on the wire while bucket k-d..k-1 compute; its wait stays just before
-its first use. At most d + 1 gathers are ever in flight. ``plan.max_unsharded_bytes`` caps the
+bucket k-d (the first d+1 gathers all before the first wait), so it runs on the wire while
+buckets k-d..k-1 compute; its wait stays just before its first use. At most d + 1 gathers
+are ever in flight. ``plan.max_unsharded_bytes`` caps the
 gathered bytes alive at once: where the cap would be exceeded, that gather is issued later.
 The move depends only on the graph and the plan, so every rank issues the same order.
 """
@@ -24,15 +25,16 @@ def gathered_bytes(gather: fx.Node) -> int:
 
 
 def _issue_after(sizes: list[int], depth: int, cap: int | None) -> list[int | None]:
-    """For bucket k, the bucket whose wait it is issued after (None: leave it in place)."""
+    """For bucket k, the bucket whose wait it is issued after: -1 before the first wait,
+    None to leave it in place (just before its own wait)."""
     anchors: list[int | None] = []
     floor = -1  # issue order must follow bucket order
     for k in range(len(sizes)):
-        d = min(depth, k)
-        while d > 0 and cap is not None and sum(sizes[k - d : k + 1]) > cap:
+        d = depth
+        while d > 0 and cap is not None and sum(sizes[max(k - d, 0) : k + 1]) > cap:
             d -= 1
-        j = max(k - d, floor)
-        anchors.append(None if j == k else j)
+        j = max(k - d, floor, -1)
+        anchors.append(None if j == k or (k == 0) else j)
         floor = j
     return anchors
 
@@ -46,7 +48,7 @@ def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for k, j in enumerate(_issue_after(sizes, plan.prefetch_depth, plan.max_unsharded_bytes)):
         if j is None:
             continue
-        anchor = wait_of(gathers[j]).next
+        anchor = wait_of(gathers[0]) if j < 0 else wait_of(gathers[j]).next
         position = graph_order(gm.graph)
         chain = ancestors_after(gathers[k], position, position[anchor])
         move_before(chain, anchor)

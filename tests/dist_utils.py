@@ -42,4 +42,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
             join=True,
             start_method="spawn",
         )
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        paths = [Path(tmp) / f"rank{r}.pt" for r in range(world_size)]
+        return [torch.load(path, weights_only=False) for path in paths]

@@ -57,5 +57,6 @@ def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Nod
 def graph_text(gm: fx.GraphModule, group_name: str) -> str:
     """The readable graph without comments or file paths, with the group name as ``G``."""
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    lines = [ln.rstrip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    lines = [ln.rstrip() for ln in code.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.lstrip().startswith("#")]
     return "\n".join(lines).replace(f"'{group_name}'", "'G'") + "\n"
