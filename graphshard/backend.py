@@ -2,9 +2,12 @@
 
 Stages and their passes (each dumped before and after when a dump directory is set):
 - ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
-- ``joint``: ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
-- ``fw`` / ``inference``: ``lower_unshard``;
-- ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``.
+- ``joint``: ``assign_buckets`` (the ``size``/``auto`` strategies), ``reshard`` (tag markers
+  so the min-cut partitioner frees full parameters);
+- ``fw``: ``lower_unshard``, ``prefetch``;
+- ``inference``: ``assign_buckets``, ``lower_unshard``, ``prefetch``;
+- ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
+  ``overlap_reduce``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -25,6 +28,7 @@ from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
 from passes import (
     Plan,
+    assign_buckets,
     dedupe_unshard,
     lower_reduce_grad,
     lower_unshard,
@@ -39,9 +43,9 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard],
-    "joint": [reshard],
+    "joint": [assign_buckets, reshard],
     "fw": [lower_unshard, prefetch],
-    "inference": [lower_unshard, prefetch],
+    "inference": [assign_buckets, lower_unshard, prefetch],
     "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
 }
 

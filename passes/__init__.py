@@ -4,6 +4,7 @@ They run on FX graphs with fake tensors and need no process group, so they are u
 in one process and used offline on models far larger than the machine.
 """
 
+from passes.bucketing import assign_buckets
 from passes.dedupe import dedupe_unshard
 from passes.lower_reduce_grad import lower_reduce_grad
 from passes.lower_unshard import lower_unshard
@@ -16,6 +17,7 @@ from passes.reshard import reshard
 __all__ = [
     "UNSHARD",
     "REDUCE_GRAD",
+    "assign_buckets",
     "Bucket",
     "Plan",
     "collect_buckets",

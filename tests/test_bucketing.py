@@ -1,0 +1,94 @@
+"""Bucketing strategies: size packing, the cost-model search, and pinned user groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_utils import c10d, calls, fake_process_group
+
+import graphshard
+from graphshard.models.llama import Llama, llama_config
+from passes.bucketing import auto_boundaries, pack_by_size
+from passes.markers import is_unshard, marker_args
+
+
+def test_pack_by_size():
+    assert pack_by_size([4, 4, 4, 10, 1, 1], cap=8) == [0, 0, 1, 2, 3, 3]
+
+
+def test_auto_keeps_exposed_ends_small_when_compute_hides_the_middle():
+    # Exposed: the first bucket's gather (1 s) and the last one's backward gather (1 s);
+    # every other gather hides under 10 s of compute, so the middle merges (fewer buckets).
+    idx = auto_boundaries([1, 1, 1, 1], [10.0] * 4, gather_time=float, reduce_time=lambda b: 0.0)
+    assert idx == [0, 1, 1, 2]
+
+
+def test_auto_merges_when_nothing_can_hide():
+    idx = auto_boundaries([1, 1, 1, 1], [0.0] * 4, gather_time=lambda b: 1.0 + b,
+                          reduce_time=lambda b: 0.0)
+    assert idx == [0, 0, 0, 0]
+
+
+def test_auto_respects_memory_cap():
+    idx = auto_boundaries([1, 1, 1, 1], [0.0] * 4, gather_time=lambda b: 1.0 + b,
+                          reduce_time=lambda b: 0.0, cap=2)
+    # any two neighbouring buckets together stay within 2 bytes: single-item buckets
+    assert idx == [0, 1, 2, 3]
+
+
+def joint_buckets(model, **options) -> dict[str, int]:
+    """Parameter name -> bucket after the joint-graph passes of a compiled fw+bw step."""
+    backend = graphshard.backend(inductor=False, **options)
+    ids = torch.randint(0, 256, (2, 16))
+    torch.compile(model, backend=backend)(ids).loss.backward()
+    (stages,) = backend.graphs
+    markers = [n for n in stages["joint"].graph.nodes if is_unshard(n)]
+    return {marker_args(n).name: marker_args(n).bucket for n in markers}
+
+
+@pytest.fixture
+def world2():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        yield
+
+
+def llama():
+    return Llama(llama_config("tiny", tie_embeddings=False))
+
+
+def test_block_default_puts_embedding_norm_output_in_one_root_bucket(world2):
+    buckets = joint_buckets(graphshard.shard(llama()))
+    assert buckets["tok_embeddings.weight"] == buckets["output.weight"] == buckets["norm.weight"]
+
+
+def test_auto_separates_embedding_from_norm_and_output(world2):
+    buckets = joint_buckets(graphshard.shard(llama()), bucketing="auto")
+    assert buckets["tok_embeddings.weight"] != buckets["output.weight"]
+    assert buckets["tok_embeddings.weight"] != buckets["norm.weight"]
+
+
+def test_size_buckets_follow_execution_order_within_cap(world2):
+    model = graphshard.shard(llama())
+    cap = 40_000
+    backend = graphshard.backend(inductor=False, bucketing="size", bucket_bytes=cap)
+    torch.compile(model, backend=backend)(torch.randint(0, 256, (2, 16))).loss.backward()
+    (stages,) = backend.graphs
+    markers = [n for n in stages["joint"].graph.nodes if is_unshard(n)]
+    order = [marker_args(n).bucket for n in markers]
+    assert order == sorted(order), "buckets are consecutive in execution order"
+    gathers = calls(stages["fw"], c10d.all_gather_into_tensor.default)
+    assert len(gathers) == len(set(order))
+    for gather in gathers:
+        full = gather.meta["val"]
+        params = [n for n in markers if marker_args(n).bucket == gather.meta["graphshard"]["bucket"]]
+        assert full.nbytes <= cap or len(params) == 1
+
+
+def test_user_groups_survive_every_strategy(world2):
+    model = llama()
+    graphshard.shard(model, buckets=[[model.tok_embeddings, model.norm]])
+    buckets = joint_buckets(model, bucketing="size", bucket_bytes=1)
+    assert buckets["tok_embeddings.weight"] == buckets["norm.weight"] == 0
+    others = {b for name, b in buckets.items() if name not in ("tok_embeddings.weight", "norm.weight")}
+    assert 0 not in others and len(others) > 1
