@@ -26,6 +26,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
+from graphshard.report import write_schedule
 from passes import (
     Plan,
     assign_buckets,
@@ -36,6 +37,7 @@ from passes import (
     prefetch,
     reshard,
 )
+from passes.cost_model import get_profile
 
 __all__ = ["backend", "GraphshardBackend", "PIPELINE"]
 
@@ -112,6 +114,8 @@ class GraphshardBackend:
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
             stages[stage] = run_passes(stage, graph, plan, dumper)
+            if dumper.enabled and stage in ("fw", "bw", "inference"):
+                write_schedule(stages[stage], get_profile(plan.profile), dumper.dir, stage)
             return stages[stage]
 
         gm = run("dynamo", gm)

@@ -57,7 +57,11 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
         reduced = make(c10d.reduce_scatter_tensor.default, flat, "avg", world, group)
-        reduced.meta["graphshard"] = {"kind": "reduce_grad", "bucket": bucket.index}
+        reduced.meta["graphshard"] = {
+            "kind": "reduce_grad",
+            "bucket": bucket.index,
+            "params": bucket.names,
+        }
         waited = make(c10d.wait_tensor.default, reduced)
         shards, offset = [], 0
         for shape in shapes:

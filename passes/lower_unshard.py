@@ -56,7 +56,11 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         flats = [make(aten.view.default, shard, [-1]) for shard in slots]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
         gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
-        gathered.meta["graphshard"] = {"kind": "unshard", "bucket": bucket.index}
+        gathered.meta["graphshard"] = {
+            "kind": "unshard",
+            "bucket": bucket.index,
+            "params": [marker_args(nodes[0]).name for nodes in slots.values()],
+        }
         waited = make(c10d.wait_tensor.default, gathered)
         matrix = make(aten.view.default, waited, [world, sum(numels)])
         rebuilt = {}

@@ -333,7 +333,12 @@ def test_non_neighbour_bucket_is_one_gather(world2):
         for p in m.parameters()
     )
     assert gathers[0].args[0].meta["val"].numel() == group_numel
-    assert gathers[0].meta["graphshard"] == {"kind": "unshard", "bucket": 0}
+    assert gathers[0].meta["graphshard"] == {
+        "kind": "unshard",
+        "bucket": 0,
+        "params": ["blocks.0.up.weight", "blocks.0.up.bias", "blocks.0.down.weight",
+                   "blocks.0.down.bias", "head.weight", "head.bias"],
+    }
 
 
 def test_tied_parameter_is_gathered_and_reduced_once(world2):

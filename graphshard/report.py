@@ -1,0 +1,68 @@
+"""What a scheduled graph will do: bucket table and predicted timeline (trace JSON and PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import fx
+
+from graphshard.timeline import render_png, write_trace
+from passes.cost_model import HardwareProfile, node_time
+from passes.simulate import Timeline, simulate
+
+__all__ = ["bucket_rows", "bucket_table", "write_schedule"]
+
+
+def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
+    """One row per lowered collective: kind, bucket, parameters, bytes on the wire, time."""
+    rows = []
+    for node in gm.graph.nodes:
+        tag = node.meta.get("graphshard")
+        if not tag or "val" not in node.args[0].meta:
+            continue
+        full = node.meta["val"] if tag["kind"] == "unshard" else node.args[0].meta["val"]
+        rows.append(
+            {
+                "kind": "all_gather" if tag["kind"] == "unshard" else "reduce_scatter",
+                "bucket": tag["bucket"],
+                "params": len(tag.get("params", [])),
+                "names": tag.get("params", []),
+                "unsharded_bytes": full.numel() * full.element_size(),
+                "seconds": node_time(node, profile),
+            }
+        )
+    return rows
+
+
+def bucket_table(rows: list[dict]) -> str:
+    """The rows as an aligned text table."""
+    header = f"{'collective':<15}{'bucket':>7}{'params':>8}{'unsharded MB':>14}{'time ms':>10}"
+    header += "  first"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        first = r["names"][0] if r["names"] else ""
+        lines.append(
+            f"{r['kind']:<15}{r['bucket']:>7}{r['params']:>8}"
+            f"{r['unsharded_bytes'] / 2**20:>14.3f}{r['seconds'] * 1e3:>10.3f}  {first}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_schedule(
+    gm: fx.GraphModule, profile: HardwareProfile, directory: Path, stage: str, *, png: bool = True
+) -> Timeline:
+    """Write ``{stage}_buckets.txt``, ``{stage}_timeline.json`` (Perfetto) and the PNG."""
+    directory.mkdir(parents=True, exist_ok=True)
+    timeline = simulate(gm, profile)
+    rows = bucket_rows(gm, profile)
+    summary = (
+        f"profile {profile.name}: predicted {timeline.total_time * 1e3:.3f} ms, compute "
+        f"{timeline.compute_time * 1e3:.3f} ms, comm {timeline.comm_time * 1e3:.3f} ms, exposed "
+        f"comm {timeline.exposed_comm * 1e3:.3f} ms, peak unsharded "
+        f"{timeline.peak_unsharded_bytes / 2**20:.3f} MB\n\n"
+    )
+    (directory / f"{stage}_buckets.txt").write_text(summary + bucket_table(rows))
+    write_trace(timeline, directory / f"{stage}_timeline.json", name=stage)
+    if png:
+        render_png(timeline, directory / f"{stage}_timeline.png", title=f"{stage} ({profile.name})")
+    return timeline
