@@ -36,14 +36,14 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
 
 def bucket_table(rows: list[dict]) -> str:
     """The rows as an aligned text table."""
-    header = f"{'collective':<15}{'bucket':>7}{'params':>8}{'unsharded MB':>14}{'time ms':>10}"
+    header = f"{'collective':<15}{'bucket':>7}{'params':>8}{'unsharded bytes':>17}{'time ms':>10}"
     header += "  first"
     lines = [header, "-" * len(header)]
     for r in rows:
         first = r["names"][0] if r["names"] else ""
         lines.append(
             f"{r['kind']:<15}{r['bucket']:>7}{r['params']:>8}"
-            f"{r['unsharded_bytes'] / 2**20:>14.3f}{r['seconds'] * 1e3:>10.3f}  {first}"
+            f"{r['unsharded_bytes']:>17,}{r['seconds'] * 1e3:>10.3f}  {first}"
         )
     return "\n".join(lines) + "\n"
 
