@@ -51,7 +51,7 @@ def bucket_table(rows: list[dict]) -> str:
 def write_schedule(
     gm: fx.GraphModule, profile: HardwareProfile, directory: Path, stage: str, *, png: bool = True
 ) -> Timeline:
-    """Write ``{stage}_buckets.txt``, ``{stage}_timeline.json`` (Perfetto) and the PNG."""
+    """Write ``{stage}_schedule.txt``, ``{stage}_timeline.json`` (Perfetto) and the PNG."""
     directory.mkdir(parents=True, exist_ok=True)
     timeline = simulate(gm, profile)
     rows = bucket_rows(gm, profile)
@@ -61,7 +61,7 @@ def write_schedule(
         f"comm {timeline.exposed_comm * 1e3:.3f} ms, peak unsharded "
         f"{timeline.peak_unsharded_bytes / 2**20:.3f} MB\n\n"
     )
-    (directory / f"{stage}_buckets.txt").write_text(summary + bucket_table(rows))
+    (directory / f"{stage}_schedule.txt").write_text(summary + bucket_table(rows))
     write_trace(timeline, directory / f"{stage}_timeline.json", name=stage)
     if png:
         render_png(timeline, directory / f"{stage}_timeline.png", title=f"{stage} ({profile.name})")

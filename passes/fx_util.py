@@ -87,7 +87,10 @@ def descendants(node: fx.Node) -> list[fx.Node]:
 
 
 def move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
-    """Move ``nodes`` (in their order) to sit just before ``anchor``."""
+    """Move ``nodes`` (in their order) to sit just before ``anchor`` (or, if ``anchor`` is one
+    of them, before the first node after it that is not)."""
+    moving = set(nodes)
+    while anchor in moving:
+        anchor = anchor.next
     for node in nodes:
-        if node is not anchor:
-            anchor.prepend(node)
+        anchor.prepend(node)

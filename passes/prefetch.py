@@ -1,7 +1,7 @@
 """Issue each bucket's all-gather ahead of the compute it feeds (forward and backward alike).
 
-With depth d, the gather of the k-th bucket in graph order is issued right after the wait of
-bucket k-d (the first d+1 gathers all before the first wait), so it runs on the wire while
+With depth d, the gather of the k-th bucket in graph order is issued right after the wait
+of bucket k-d (the first gather before any compute, the first d+1 before the first wait), so it runs on the wire while
 buckets k-d..k-1 compute; its wait stays just before its first use. At most d + 1 gathers
 are ever in flight. ``plan.max_unsharded_bytes`` caps the
 gathered bytes alive at once: where the cap would be exceeded, that gather is issued later.
@@ -42,9 +42,13 @@ def _issue_after(sizes: list[int], depth: int, cap: int | None) -> list[int | No
 def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Move the all-gathers earlier by ``plan.prefetch_depth`` buckets, within the memory cap."""
     gathers = collectives(gm.graph, "unshard")
-    if plan.prefetch_depth <= 0 or len(gathers) < 2:
+    if plan.prefetch_depth <= 0 or not gathers:
         return gm
     sizes = [gathered_bytes(g) for g in gathers]
+    # The first gather needs only shards: issue it before any compute (in backward, that
+    # hides it under the loss gradient).
+    first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    move_before(ancestors_after(gathers[0], graph_order(gm.graph), 0), first_compute)
     for k, j in enumerate(_issue_after(sizes, plan.prefetch_depth, plan.max_unsharded_bytes)):
         if j is None:
             continue

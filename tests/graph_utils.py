@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 from torch import fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from graphshard.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
 c10d = torch.ops._c10d_functional
 
@@ -20,17 +18,6 @@ REBUILD_OPS = {
     torch.ops.aten.t.default,
     torch.ops.aten._unsafe_view.default,
 }
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int = 2, rank: int = 0):
-    """A fake process group for structure-only tests (collectives return garbage)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:

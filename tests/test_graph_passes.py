@@ -370,12 +370,12 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
     passes_dumped = [n for n in names if re.match(r"[a-z]+_\d\d_", n)]
     schedule = [n for n in names if n not in passes_dumped]
     assert schedule == [
-        "bw_buckets.txt", "bw_timeline.json", "bw_timeline.png",
-        "fw_buckets.txt", "fw_timeline.json", "fw_timeline.png",
+        "bw_schedule.txt", "bw_timeline.json", "bw_timeline.png",
+        "fw_schedule.txt", "fw_timeline.json", "fw_timeline.png",
     ]
     trace = json.loads((graph_dir / "fw_timeline.json").read_text())
     assert any(e.get("args", {}).get("kind") == "unshard" for e in trace["traceEvents"])
-    table = (graph_dir / "bw_buckets.txt").read_text()
+    table = (graph_dir / "bw_schedule.txt").read_text()
     assert table.count("reduce_scatter") == 3 and "blocks.1.down.bias" in table
     assert passes_dumped == [
         "bw_00_input.txt",
