@@ -1,11 +1,11 @@
 """Issue each bucket's all-gather ahead of the compute it feeds (forward and backward alike).
 
 With depth d, the gather of the k-th bucket in graph order is issued right after the wait
-of bucket k-d (the first gather before any compute, the first d+1 before the first wait), so it runs on the wire while
-buckets k-d..k-1 compute; its wait stays just before its first use. At most d + 1 gathers
-are ever in flight. ``plan.max_unsharded_bytes`` caps the
-gathered bytes alive at once: where the cap would be exceeded, that gather is issued later.
-The move depends only on the graph and the plan, so every rank issues the same order.
+of bucket k-d (the first gather before any compute, the first d+1 before the first wait),
+so it runs on the wire while buckets k-d..k-1 compute; its wait stays just before its first
+use. At most d + 1 gathered buckets are alive at once. ``plan.max_unsharded_bytes`` caps
+the gathered bytes alive at once: where the cap would be exceeded, that gather is issued
+later. The move depends only on the graph and the plan, so every rank issues the same order.
 """
 
 from __future__ import annotations
