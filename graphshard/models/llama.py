@@ -1,0 +1,298 @@
+"""A small, readable Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU).
+
+Written to trace with ``torch.compile(..., fullgraph=True)``: no data-dependent control flow,
+no complex numbers (rotary embeddings use real arithmetic), and the rotary tables are
+non-persistent buffers so they stay out of ``state_dict()`` and out of sharding.
+
+    cfg = llama_config("tiny")
+    model = Llama(cfg)
+    out = model(input_ids)          # LlamaOutput(loss, logits)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaOutput",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "Attention",
+    "FeedForward",
+    "Block",
+    "Llama",
+    "CONFIGS",
+    "llama_config",
+]
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shapes and hyper-parameters of a :class:`Llama` model."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 176
+    max_seq_len: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim ({self.dim // self.n_heads}) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class LlamaOutput(NamedTuple):
+    """What :meth:`Llama.forward` returns."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed rotary tables ``cos``/``sin`` of shape (max_seq_len, head_dim // 2)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (batch, heads, seq, head_dim) by position: the "rotate half" layout.
+
+    The first and second halves of the head dimension form the (real, imaginary) pairs.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped-query (GQA) key/value heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        repeat = self.n_heads // self.n_kv_heads
+        if repeat > 1:
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: attention then feed-forward, each with a residual."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token embeddings, ``n_layers`` blocks, a final norm and the output projection.
+
+    Parameters are initialised in ``__init__`` from the global torch RNG (so the same
+    ``torch.manual_seed`` gives the same model on every rank); :meth:`init_weights` with a
+    seed re-initialises them from a private generator.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, 0.02) for linears and embeddings, ones for norms.
+
+        With ``seed`` the values come from a private generator seeded with it (the global
+        RNG is untouched); without, from the global RNG. Meta tensors are left as they are.
+        """
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        seen: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                weight = module.weight
+                if id(weight) in seen or weight.is_meta:
+                    continue
+                seen.add(id(weight))
+                if gen is None or weight.device.type == "cpu":
+                    nn.init.normal_(weight, mean=0.0, std=INIT_STD, generator=gen)
+                else:  # draw on the CPU generator, then copy, so every device agrees
+                    values = torch.empty(weight.shape, dtype=weight.dtype)
+                    weight.copy_(nn.init.normal_(values, mean=0.0, std=INIT_STD, generator=gen))
+            elif isinstance(module, RMSNorm) and not module.weight.is_meta:
+                nn.init.ones_(module.weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LlamaOutput:
+        """Logits (batch, seq, vocab) and the mean cross-entropy loss.
+
+        Without ``labels`` the loss is next-token prediction on ``input_ids`` itself (the
+        logits at position t against token t + 1); with them, logits at every position
+        against ``labels`` of the same shape (-100 is ignored).
+        """
+        seq_len = input_ids.shape[1]
+        cos, sin = self.rope(seq_len)
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        if labels is None:
+            pred, target = logits[:, :-1], input_ids[:, 1:]
+        else:
+            pred, target = logits, labels
+        loss = F.cross_entropy(
+            pred.reshape(-1, pred.shape[-1]).float(), target.reshape(-1), ignore_index=-100
+        )
+        return LlamaOutput(loss, logits)
+
+    def num_params(self) -> int:
+        """Number of distinct parameter elements (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=176,
+        max_seq_len=64,
+    ),
+    "llama-small": LlamaConfig(
+        vocab_size=2048,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=704,
+        max_seq_len=256,
+    ),
+    "llama-medium": LlamaConfig(
+        vocab_size=8192,
+        dim=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=1408,
+        max_seq_len=512,
+    ),
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": LlamaConfig(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def llama_config(name: str, **overrides) -> LlamaConfig:
+    """The preset ``name`` from :data:`CONFIGS`, with any fields replaced by ``overrides``."""
+    if name not in CONFIGS:
+        raise KeyError(f"Unknown Llama preset {name!r}; choose one of {sorted(CONFIGS)}")
+    known = {f.name for f in fields(LlamaConfig)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"Unknown LlamaConfig fields {sorted(unknown)}; known: {sorted(known)}")
+    return replace(CONFIGS[name], **overrides)

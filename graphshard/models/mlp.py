@@ -1,0 +1,44 @@
+"""``OddMLP``: a small MLP with awkward layer sizes, to exercise uneven shard padding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["OddMLP", "MLPOutput"]
+
+
+class MLPOutput(NamedTuple):
+    """What :meth:`OddMLP.forward` returns: the MSE loss (None without targets) and output."""
+
+    loss: torch.Tensor | None
+    output: torch.Tensor
+
+
+class OddMLP(nn.Module):
+    """Linear + GELU layers of sizes ``sizes`` (no activation after the last Linear).
+
+    The default sizes (13, 29, 7, 3) are odd on purpose: no weight's first dimension divides
+    evenly by 2, 4 or 8 ranks, so every shard is padded.
+    """
+
+    def __init__(self, sizes: Sequence[int] = (13, 29, 7, 3)) -> None:
+        super().__init__()
+        if len(sizes) < 2:
+            raise ValueError(f"OddMLP needs at least an input and output size, got {sizes}")
+        self.sizes = tuple(sizes)
+        layers: list[nn.Module] = []
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            layers.append(nn.Linear(n_in, n_out))
+            if i < len(sizes) - 2:
+                layers.append(nn.GELU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> MLPOutput:
+        out = self.layers(x)
+        loss = None if y is None else F.mse_loss(out, y)
+        return MLPOutput(loss, out)
