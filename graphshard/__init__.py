@@ -4,7 +4,7 @@
     model = torch.compile(model, backend="graphshard")
 """
 
-from graphshard.backend import GraphshardBackend, backend
+from graphshard.compiler import GraphshardBackend, backend
 from graphshard.sharding import shard
 from graphshard.state_dict import full_state_dict
 

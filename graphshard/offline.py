@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphshard.backend import GraphshardBackend
+from graphshard.compiler import GraphshardBackend
 from graphshard.sharding import shard
 
 __all__ = ["fake_process_group", "load_factory", "trace_offline", "scalar_loss"]

@@ -10,7 +10,7 @@ from graphshard.timeline import render_png, write_trace
 from passes.cost_model import HardwareProfile, node_time
 from passes.simulate import Timeline, simulate
 
-__all__ = ["bucket_rows", "bucket_table", "write_schedule"]
+__all__ = ["bucket_rows", "bucket_table", "step_summary", "write_schedule"]
 
 
 def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
@@ -28,6 +28,7 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
                 "params": len(tag.get("params", [])),
                 "names": tag.get("params", []),
                 "unsharded_bytes": full.numel() * full.element_size(),
+                "world_size": int(node.args[1] if tag["kind"] == "unshard" else node.args[2]),
                 "seconds": node_time(node, profile),
             }
         )
@@ -66,3 +67,37 @@ def write_schedule(
     if png:
         render_png(timeline, directory / f"{stage}_timeline.png", title=f"{stage} ({profile.name})")
     return timeline
+
+
+def step_summary(graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfile) -> dict:
+    """Collectives, bytes and predicted time of one training step over all compiled graphs.
+
+    ``graphs`` is ``GraphshardBackend.graphs``. Bytes are what one rank sends on a ring:
+    ``(N-1)/N`` of each collective's full (unsharded) buffer.
+    """
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    sent = 0.0
+    predicted = exposed = 0.0
+    peak = 0
+    for stages in graphs:
+        for stage in ("fw", "bw", "inference"):
+            if stage not in stages:
+                continue
+            gm = stages[stage]
+            for row in bucket_rows(gm, profile):
+                counts[row["kind"]] += 1
+                world = row["world_size"]
+                sent += (world - 1) / world * row["unsharded_bytes"]
+            timeline = simulate(gm, profile)
+            predicted += timeline.total_time
+            exposed += timeline.exposed_comm
+            peak = max(peak, timeline.peak_unsharded_bytes)
+    return {
+        "all_gathers": counts["all_gather"],
+        "reduce_scatters": counts["reduce_scatter"],
+        "bytes_sent_per_rank": int(round(sent)),
+        "predicted_step_s": predicted,
+        "predicted_exposed_comm_s": exposed,
+        "peak_unsharded_bytes": peak,
+    }
+

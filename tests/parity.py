@@ -59,11 +59,24 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def train_sharded(rank: int, world_size: int, case: str, mode: str, **shard_options) -> dict:
-    """Train ``case`` sharded (``mode`` = "eager" or "compiled"); losses are rank means."""
+# Backend variants the compiled path must match the reference under (name -> options).
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "depth0": {"prefetch_depth": 0},
+    "depth2": {"prefetch_depth": 2},
+    "size": {"bucketing": "size", "bucket_bytes": 600},
+    "auto": {"bucketing": "auto"},
+    "auto_capped": {"bucketing": "auto", "prefetch_depth": 2, "max_unsharded_bytes": 200_000},
+}
+
+
+def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str = "default"):
+    """Train ``case`` sharded (``mode`` = "eager" or "compiled" with backend ``variant``);
+    losses are rank means."""
     torch._dynamo.reset()
-    model = graphshard.shard(build(case), **shard_options)
-    run = torch.compile(model, backend="graphshard") if mode == "compiled" else model
+    model = graphshard.shard(build(case))
+    backend = graphshard.backend(**VARIANTS[variant])
+    run = torch.compile(model, backend=backend) if mode == "compiled" else model
     opt = _optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -91,8 +104,8 @@ def train_reference(case: str, world_size: int) -> dict:
     return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}}
 
 
-def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
-    """Entry point for each rank: train every (case, mode) job in turn."""
+def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict:
+    """Entry point for each rank: train every (case, mode[, variant]) job in turn."""
     return {job: train_sharded(rank, world_size, *job) for job in jobs}
 
 

@@ -9,11 +9,19 @@ from parity import CASES, assert_matches, run_jobs, train_reference
 MODES = ("eager", "compiled")
 WORLD2_JOBS = [(case, mode) for case in CASES for mode in MODES]
 WORLD3_JOBS = [("mlp_odd", mode) for mode in MODES]
+# Every scheduling depth and bucketing strategy keeps the numerics exact.
+VARIANT_JOBS = [
+    ("mlp_odd", "compiled", "depth0"),
+    ("mlp_odd", "compiled", "size"),
+    ("llama_untied", "compiled", "depth2"),
+    ("llama_tied", "compiled", "auto"),
+    ("llama_untied", "compiled", "auto_capped"),
+]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_ranks(run_jobs, 2, WORLD2_JOBS)
+    return run_ranks(run_jobs, 2, WORLD2_JOBS + VARIANT_JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +34,13 @@ def test_world2_matches_single_process(world2, case, mode):
     reference = train_reference(case, 2)
     for rank_results in world2:
         assert_matches(rank_results[(case, mode)], reference)
+
+
+@pytest.mark.parametrize("job", VARIANT_JOBS, ids=["-".join(j) for j in VARIANT_JOBS])
+def test_world2_schedule_variants_match_single_process(world2, job):
+    reference = train_reference(job[0], 2)
+    for rank_results in world2:
+        assert_matches(rank_results[job], reference)
 
 
 @pytest.mark.parametrize("case,mode", WORLD3_JOBS)
