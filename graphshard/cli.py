@@ -1,6 +1,7 @@
-"""The ``graphshard`` command: offline graph dumps and machine calibration.
+"""The ``graphshard`` command: offline graph dumps, what-if plans, machine calibration.
 
     graphshard dump MODULE:FACTORY --world-size 8 --out DIR
+    graphshard plan --model llama3-8b --world-size 8,64,512,1024 --profile h100-nvlink
     graphshard calibrate
 """
 
@@ -55,6 +56,39 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Size up a model at several world sizes from fake-tensor traces."""
+    import json
+
+    from graphshard.offline import load_factory
+    from graphshard.whatif import (
+        format_table,
+        llama_factory,
+        rows_as_dicts,
+        symbolic_report,
+        what_if,
+    )
+
+    if ":" in args.model:
+        sys.path.insert(0, str(Path.cwd()))
+        factory = load_factory(args.model)
+    else:
+        factory = llama_factory(args.model, args.batch_size, args.seq_len)
+    sizes = [int(n) for n in args.world_size.split(",")]
+    rows = []
+    for n in sizes:
+        rows.append(what_if(factory, n, **_plan_options(args)))
+        print(f"N={n}: traced in {rows[-1].trace_s:.1f} s (passes {rows[-1].passes_s:.1f} s)",
+              flush=True)
+    print(f"\n{args.model} on {args.profile}, memory per rank, bytes per rank and step\n")
+    print(format_table(rows))
+    if args.symbolic:
+        print(symbolic_report(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2))
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine and save it as a hardware profile."""
     from graphshard.calibrate import measure_profile
@@ -81,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", required=True, help="output directory")
     _add_plan_options(dump)
     dump.set_defaults(func=cmd_dump)
+
+    plan = sub.add_parser("plan", help="what-if: memory, traffic and predicted step time at "
+                          "several world sizes, from fake-tensor traces")
+    plan.add_argument("--model", default="llama3-8b",
+                      help="a preset of graphshard.models.llama (llama3-8b, llama3-70b, ...) "
+                      "or MODULE:FACTORY")
+    plan.add_argument("--world-size", default="8,64,512,1024",
+                      help="comma-separated world sizes")
+    plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank (presets)")
+    plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (presets)")
+    plan.add_argument("--symbolic", action="store_true",
+                      help="also print bytes and memory as formulas in N, checked")
+    plan.add_argument("--json", default=None, help="write the rows as JSON here")
+    _add_plan_options(plan)
+    plan.set_defaults(func=cmd_plan, profile="h100-nvlink")
 
     calibrate = sub.add_parser("calibrate", help="measure this machine's collectives and "
                                "compute; save as a hardware profile")

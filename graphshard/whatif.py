@@ -1,0 +1,235 @@
+"""``graphshard plan``: what a model costs per rank and per step at world sizes no machine here has.
+
+For each world size the real architecture is traced on fake tensors and a fake process group
+and the compiler's own passes run on it (nothing allocated, nothing sent); the scheduled
+graphs then give bucket count, per-rank memory, bytes per step and the cost model's
+predicted step time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import fx
+
+from graphshard.offline import Factory, trace_offline
+from graphshard.report import step_summary
+from passes.cost_model import get_profile
+from passes.markers import is_unshard, marker_args
+from passes.simulate import simulate
+
+__all__ = ["WhatIf", "what_if", "format_table", "symbolic_report", "llama_factory"]
+
+ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size of the sharded parameters
+
+
+@dataclass
+class WhatIf:
+    """One world size: memory per rank (bytes), traffic per rank and step, predicted times (s)."""
+
+    world_size: int
+    buckets: int
+    params: int  # Ψ: parameters of the model
+    params_regathered: int  # parameters the backward gathers again
+    param_bytes: int  # bytes per parameter element (sharded master copy)
+    sharded_params: int
+    grads: int
+    adam_state: int
+    peak_unsharded: int
+    activations: int
+    bytes_per_step: int
+    compute_s: float
+    comm_s: float
+    predicted_step_s: float
+    exposed_comm_s: float
+    trace_s: float
+    passes_s: float
+
+    @property
+    def memory_total(self) -> int:
+        """All per-rank memory components added up."""
+        return (
+            self.sharded_params + self.grads + self.adam_state + self.peak_unsharded
+            + self.activations
+        )
+
+    @property
+    def bound_s(self) -> float:
+        """The step cannot be faster than its compute or its communication."""
+        return max(self.compute_s, self.comm_s)
+
+
+def llama_factory(name: str, batch_size: int, seq_len: int) -> Factory:
+    """A factory for a Llama preset of ``graphshard.models.llama`` with token inputs."""
+    from graphshard.models.llama import Llama, llama_config
+
+    def build():
+        cfg = llama_config(name)
+        tokens = (batch_size, min(seq_len, cfg.max_seq_len))
+        return Llama(cfg), (torch.randint(0, cfg.vocab_size, tokens),)
+
+    return build
+
+
+def _markers(joint: fx.GraphModule) -> list[fx.Node]:
+    seen, out = set(), []
+    for node in joint.graph.nodes:
+        if is_unshard(node) and marker_args(node).name not in seen:
+            seen.add(marker_args(node).name)
+            out.append(node)
+    return out
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _saved_activations(bw: fx.GraphModule) -> int:
+    """Bytes the forward saves for backward, shards (``primals``) and gradients excluded."""
+    return sum(
+        _nbytes(n)
+        for n in bw.graph.find_nodes(op="placeholder")
+        if not n.name.startswith(("primals", "tangents"))
+    )
+
+
+def _regathered(bw: fx.GraphModule) -> set[str]:
+    """Names of the parameters the backward graph gathers again."""
+    names: set[str] = set()
+    for node in bw.graph.nodes:
+        tag = node.meta.get("graphshard")
+        if tag and tag["kind"] == "unshard":
+            names.update(tag["params"])
+    return names
+
+
+def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) -> WhatIf:
+    """Trace ``factory()`` at ``world_size`` fake ranks and size up one training step."""
+    import graphshard.compiler as compiler
+
+    spent = {"passes": 0.0}
+    run_passes = compiler.run_passes
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run_passes(*args, **kwargs)
+        finally:
+            spent["passes"] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    compiler.run_passes = timed
+    try:
+        graphs = trace_offline(factory, world_size, profile=profile, **plan_options)
+    finally:
+        compiler.run_passes = run_passes
+    trace_s = time.perf_counter() - start
+    hw = get_profile(profile)
+    summary = step_summary(graphs, hw)
+    markers = [m for stages in graphs for m in _markers(stages["joint"])]
+    params = sum(math.prod(marker_args(m).full_shape) for m in markers)
+    shard_bytes = sum(_nbytes(marker_args(m).shard) for m in markers)
+    elem = markers[0].meta["val"].element_size() if markers else 4
+    buckets = {marker_args(m).bucket for m in markers}
+    compute = comm = 0.0
+    activations = regathered = 0
+    for stages in graphs:
+        for stage in ("fw", "bw"):
+            timeline = simulate(stages[stage], hw)
+            compute += timeline.compute_time
+            comm += timeline.comm_time
+        activations += _saved_activations(stages["bw"])
+        names = _regathered(stages["bw"])
+        regathered += sum(
+            math.prod(marker_args(m).full_shape) for m in _markers(stages["joint"])
+            if marker_args(m).name in names
+        )
+    return WhatIf(
+        world_size=world_size,
+        buckets=len(buckets),
+        params=params,
+        params_regathered=regathered,
+        param_bytes=elem,
+        sharded_params=shard_bytes,
+        grads=shard_bytes,
+        adam_state=ADAM_STATES * shard_bytes,
+        peak_unsharded=summary["peak_unsharded_bytes"],
+        activations=activations,
+        bytes_per_step=summary["bytes_sent_per_rank"],
+        compute_s=compute,
+        comm_s=comm,
+        predicted_step_s=summary["predicted_step_s"],
+        exposed_comm_s=summary["predicted_exposed_comm_s"],
+        trace_s=trace_s,
+        passes_s=spent["passes"],
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_table(rows: list[WhatIf]) -> str:
+    """A markdown table, one row per world size."""
+    head = (
+        "| N | buckets | params GiB | grads GiB | Adam GiB | peak unsharded GiB | activations GiB"
+        " | total GiB | bytes/step GiB | compute s | comm s | predicted s | exposed comm s"
+        " | bound s | trace s | passes s |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r.world_size} | {r.buckets} | {_gib(r.sharded_params)} | {_gib(r.grads)} | "
+            f"{_gib(r.adam_state)} | {_gib(r.peak_unsharded)} | {_gib(r.activations)} | "
+            f"{_gib(r.memory_total)} | {_gib(r.bytes_per_step)} | {r.compute_s:.4f} | "
+            f"{r.comm_s:.4f} | {r.predicted_step_s:.4f} | {r.exposed_comm_s:.4f} | "
+            f"{r.bound_s:.4f} | {r.trace_s:.1f} | {r.passes_s:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def symbolic_report(rows: list[WhatIf]) -> str:
+    """Bytes per step and per-rank memory as formulas in N (sympy), checked against ``rows``.
+
+    Bytes per rank and step: the forward gathers Ψ parameters, the backward gathers again the
+    Ψ_bw it needs, the reduce-scatter moves Ψ gradients; a ring sends (N-1)/N of each. The
+    classic ZeRO-3 figure (N-1)/N·Ψ·(2·b_param + b_reduce) is the case Ψ_bw = Ψ. Padding of
+    dim 0 to a multiple of N is the only other difference, and it is shown.
+    """
+    import sympy as sp
+
+    N, psi, psi_bw, bp, br = sp.symbols("N Psi Psi_bw b_param b_reduce", positive=True)
+    traffic = (N - 1) / N * (psi * bp + psi_bw * bp + psi * br)
+    zero3 = (N - 1) / N * psi * (2 * bp + br)
+    state = psi / N * (bp + bp + 2 * bp)  # params + grads + Adam (2 states), all sharded
+    lines = [
+        f"bytes per rank and step = {sp.simplify(traffic)}",
+        f"  (ZeRO-3 textbook, Psi_bw = Psi: {sp.factor(zero3)})",
+        f"sharded state per rank (params, grads, Adam) = {sp.simplify(state)}"
+        "  (+ padding, + peak unsharded, + activations)",
+        "",
+        "| N | Psi | Psi_bw | formula bytes | graph bytes | rel. diff (padding) "
+        "| formula state | graph state |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        subs = {N: r.world_size, psi: r.params, psi_bw: r.params_regathered,
+                bp: r.param_bytes, br: r.param_bytes}
+        expected = float(traffic.subs(subs))
+        state_expected = float(state.subs(subs))
+        state_graph = r.sharded_params + r.grads + r.adam_state
+        diff = (r.bytes_per_step - expected) / expected if expected else 0.0
+        lines.append(
+            f"| {r.world_size} | {r.params:,} | {r.params_regathered:,} | {expected:,.0f} | "
+            f"{r.bytes_per_step:,} | {diff:+.2e} | {state_expected:,.0f} | {state_graph:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rows_as_dicts(rows: list[WhatIf]) -> list[dict]:
+    """Rows for JSON, with the derived totals."""
+    return [asdict(r) | {"memory_total": r.memory_total, "bound_s": r.bound_s} for r in rows]
