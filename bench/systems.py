@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import graphshard
-from graphshard.compiler import GraphshardBackend
+from graphshard import GraphshardBackend
 from graphshard.models.llama import Llama, LlamaConfig
 
 __all__ = [
