@@ -29,6 +29,9 @@ class Plan:
             ``shard(buckets=[...])`` are kept by every strategy.
         bucket_bytes: the byte cap of the ``"size"`` strategy.
         profile: the hardware profile the ``"auto"`` strategy's cost model uses.
+        reshard_last_bucket: also free the bucket of the parameter read last in forward. By
+            default it is kept for backward, which starts by needing it (as FSDP2 keeps its
+            root).
     """
 
     prefetch_depth: int = 1
@@ -36,6 +39,7 @@ class Plan:
     bucketing: str = "block"
     bucket_bytes: int = 25 * 2**20
     profile: str = "cpu-gloo"
+    reshard_last_bucket: bool = False
 
     def __post_init__(self) -> None:
         if self.bucketing not in BUCKETING:

@@ -18,11 +18,24 @@ from passes.plan import Plan
 __all__ = ["reshard"]
 
 
+def _last_bucket(gm: fx.GraphModule) -> int | None:
+    """The bucket of the parameter read last in forward: the first the backward needs."""
+    markers = [n for n in gm.graph.nodes if is_unshard(n)]
+    return marker_args(markers[-1]).bucket if markers else None
+
+
 def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Tag each ``unshard`` with the recompute policy its ``reshard`` argument asks for."""
+    """Tag each ``unshard`` with the recompute policy its ``reshard`` argument asks for.
+
+    The bucket holding the parameter read last in forward is the first one the backward
+    needs, right away: freeing and gathering it again would only put an exposed gather at
+    the start of the backward, so it is kept unless ``plan.reshard_last_bucket``.
+    """
+    last = None if plan.reshard_last_bucket else _last_bucket(gm)
     for node in gm.graph.nodes:
         if is_unshard(node):
-            keep = not marker_args(node).reshard
+            args = marker_args(node)
+            keep = not args.reshard or args.bucket == last
             node.meta["recompute"] = (
                 CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             )

@@ -27,8 +27,15 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 def gathered_values(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes that are an all-gather or derive from one through view/rebuild ops only."""
-    found = set(calls(gm, c10d.all_gather_into_tensor.default))
-    for node in gm.graph.nodes:
+    return derived_from(*calls(gm, c10d.all_gather_into_tensor.default))
+
+
+def derived_from(*gathers: fx.Node) -> set[fx.Node]:
+    """``gathers`` and the nodes derived from them through view/rebuild ops only."""
+    found = set(gathers)
+    if not gathers:
+        return found
+    for node in gathers[0].graph.nodes:
         if node.op == "call_function" and node.target in REBUILD_OPS:
             if any(isinstance(a, fx.Node) and a in found for a in node.args):
                 found.add(node)

@@ -12,6 +12,7 @@ import torch
 from graph_utils import (
     c10d,
     calls,
+    derived_from,
     fake_process_group,
     gathered_values,
     graph_text,
@@ -106,7 +107,7 @@ class GraphModule(torch.nn.Module):
         addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(view_default_8, relu, permute_1);  view_default_8 = permute_1 = None
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, addmm_1);  addmm_1 = None
         wait_tensor_default_1: "f32[212]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-        view_default_18: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1])
+        view_default_18: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1]);  primals_10 = None
         view_default_19: "f32[2]" = torch.ops.aten.view.default(primals_11, [-1]);  primals_11 = None
         cat_default_2: "f32[18]" = torch.ops.aten.cat.default([view_default_18, view_default_19]);  view_default_18 = view_default_19 = None
         all_gather_into_tensor_default_2: "f32[36]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default_2, 2, 'G');  cat_default_2 = None
@@ -140,24 +141,17 @@ class GraphModule(torch.nn.Module):
         view_default_22: "f32[4]" = torch.ops.aten.view.default(clone_default_9, [4]);  clone_default_9 = None
         slice_tensor_11: "f32[3]" = torch.ops.aten.slice.Tensor(view_default_22, 0, 0, 3);  view_default_22 = None
         permute_4: "f32[8, 3]" = torch.ops.aten.permute.default(slice_tensor_9, [1, 0]);  slice_tensor_9 = None
-        addmm_4: "f32[4, 3]" = torch.ops.aten.addmm.default(slice_tensor_11, add_1, permute_4);  slice_tensor_11 = permute_4 = None
-        return (addmm_4, primals_3, primals_4, primals_6, primals_8, primals_10, relu, add, relu_1, add_1)
+        addmm_4: "f32[4, 3]" = torch.ops.aten.addmm.default(slice_tensor_11, add_1, permute_4);  slice_tensor_11 = None
+        permute_5: "f32[3, 8]" = torch.ops.aten.permute.default(permute_4, [1, 0]);  permute_4 = None
+        return (addmm_4, primals_3, primals_4, primals_6, primals_8, relu, add, relu_1, add_1, permute_5)
 """)
         self.assertExpectedInline(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "f32[4, 8]", primals_4: "f32[4, 12]", primals_6: "f32[6, 8]", primals_8: "f32[4, 12]", primals_10: "f32[2, 8]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", tangents_1: "f32[4, 3]"):
-        view_default: "f32[16]" = torch.ops.aten.view.default(primals_10, [-1]);  primals_10 = None
-        all_gather_into_tensor_default: "f32[32]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default, 2, 'G');  view_default = None
-        wait_tensor_default: "f32[32]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-        view_default_3: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1]);  primals_8 = None
-        view_default_4: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1]);  primals_6 = None
-        cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default_3, view_default_4]);  view_default_3 = view_default_4 = None
-        all_gather_into_tensor_default_1: "f32[192]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 2, 'G');  cat_default = None
-        view_default_1: "f32[2, 16]" = torch.ops.aten.view.default(wait_tensor_default, [2, 16]);  wait_tensor_default = None
-        view_default_2: "f32[4, 8]" = torch.ops.aten.view.default(view_default_1, [4, 8]);  view_default_1 = None
-        slice_tensor: "f32[3, 8]" = torch.ops.aten.slice.Tensor(view_default_2, 0, 0, 3);  view_default_2 = None
-        permute_4: "f32[8, 3]" = torch.ops.aten.permute.default(slice_tensor, [1, 0]);  slice_tensor = None
-        permute_5: "f32[3, 8]" = torch.ops.aten.permute.default(permute_4, [1, 0]);  permute_4 = None
+    def forward(self, primals_3: "f32[4, 8]", primals_4: "f32[4, 12]", primals_6: "f32[6, 8]", primals_8: "f32[4, 12]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", permute_5: "f32[3, 8]", tangents_1: "f32[4, 3]"):
+        view_default: "f32[48]" = torch.ops.aten.view.default(primals_8, [-1]);  primals_8 = None
+        view_default_1: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1]);  primals_6 = None
+        cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default, view_default_1]);  view_default = view_default_1 = None
+        all_gather_into_tensor_default: "f32[192]" = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 2, 'G');  cat_default = None
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(tangents_1, permute_5);  permute_5 = None
         permute_6: "f32[3, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
         mm_1: "f32[3, 8]" = torch.ops.aten.mm.default(permute_6, add_1);  permute_6 = add_1 = None
@@ -166,27 +160,27 @@ class GraphModule(torch.nn.Module):
         view: "f32[3]" = torch.ops.aten.view.default(sum_1, [3]);  sum_1 = None
         permute_8: "f32[3, 8]" = torch.ops.aten.permute.default(permute_7, [1, 0]);  permute_7 = None
         clone_default_2: "f32[3]" = torch.ops.aten.clone.default(view, memory_format = torch.contiguous_format);  view = None
-        view_default_11: "f32[3, 1]" = torch.ops.aten.view.default(clone_default_2, [3, 1]);  clone_default_2 = None
-        constant_pad_nd_default: "f32[4, 1]" = torch.ops.aten.constant_pad_nd.default(view_default_11, [0, 0, 0, 1], 0.0);  view_default_11 = None
-        view_default_12: "f32[2, 2]" = torch.ops.aten.view.default(constant_pad_nd_default, [2, 2]);  constant_pad_nd_default = None
+        view_default_8: "f32[3, 1]" = torch.ops.aten.view.default(clone_default_2, [3, 1]);  clone_default_2 = None
+        constant_pad_nd_default: "f32[4, 1]" = torch.ops.aten.constant_pad_nd.default(view_default_8, [0, 0, 0, 1], 0.0);  view_default_8 = None
+        view_default_9: "f32[2, 2]" = torch.ops.aten.view.default(constant_pad_nd_default, [2, 2]);  constant_pad_nd_default = None
         clone_default_3: "f32[3, 8]" = torch.ops.aten.clone.default(permute_8, memory_format = torch.contiguous_format);  permute_8 = None
-        view_default_13: "f32[3, 8]" = torch.ops.aten.view.default(clone_default_3, [3, 8]);  clone_default_3 = None
-        constant_pad_nd_default_1: "f32[4, 8]" = torch.ops.aten.constant_pad_nd.default(view_default_13, [0, 0, 0, 1], 0.0);  view_default_13 = None
-        view_default_14: "f32[2, 16]" = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 16]);  constant_pad_nd_default_1 = None
-        cat_default_1: "f32[2, 18]" = torch.ops.aten.cat.default([view_default_12, view_default_14], 1);  view_default_12 = view_default_14 = None
-        view_default_15: "f32[36]" = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
-        reduce_scatter_tensor_default: "f32[18]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_15, 'avg', 2, 'G');  view_default_15 = None
-        wait_tensor_default_1: "f32[192]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-        view_default_8: "f32[48]" = torch.ops.aten.view.default(primals_4, [-1]);  primals_4 = None
-        all_gather_into_tensor_default_2: "f32[96]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_8, 2, 'G');  view_default_8 = None
-        view_default_5: "f32[2, 96]" = torch.ops.aten.view.default(wait_tensor_default_1, [2, 96]);  wait_tensor_default_1 = None
-        slice_tensor_1: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 48)
-        clone_default: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
-        view_default_6: "f32[8, 12]" = torch.ops.aten.view.default(clone_default, [8, 12]);  clone_default = None
-        slice_tensor_2: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_5, 1, 48, 96);  view_default_5 = None
-        clone_default_1: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor_2, memory_format = torch.contiguous_format);  slice_tensor_2 = None
-        view_default_7: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_1, [12, 8]);  clone_default_1 = None
-        permute_3: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_6, [1, 0]);  view_default_6 = None
+        view_default_10: "f32[3, 8]" = torch.ops.aten.view.default(clone_default_3, [3, 8]);  clone_default_3 = None
+        constant_pad_nd_default_1: "f32[4, 8]" = torch.ops.aten.constant_pad_nd.default(view_default_10, [0, 0, 0, 1], 0.0);  view_default_10 = None
+        view_default_11: "f32[2, 16]" = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 16]);  constant_pad_nd_default_1 = None
+        cat_default_1: "f32[2, 18]" = torch.ops.aten.cat.default([view_default_9, view_default_11], 1);  view_default_9 = view_default_11 = None
+        view_default_12: "f32[36]" = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+        reduce_scatter_tensor_default: "f32[18]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_12, 'avg', 2, 'G');  view_default_12 = None
+        wait_tensor_default: "f32[192]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+        view_default_5: "f32[48]" = torch.ops.aten.view.default(primals_4, [-1]);  primals_4 = None
+        all_gather_into_tensor_default_1: "f32[96]" = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_5, 2, 'G');  view_default_5 = None
+        view_default_2: "f32[2, 96]" = torch.ops.aten.view.default(wait_tensor_default, [2, 96]);  wait_tensor_default = None
+        slice_tensor: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_2, 1, 0, 48)
+        clone_default: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor, memory_format = torch.contiguous_format);  slice_tensor = None
+        view_default_3: "f32[8, 12]" = torch.ops.aten.view.default(clone_default, [8, 12]);  clone_default = None
+        slice_tensor_1: "f32[2, 48]" = torch.ops.aten.slice.Tensor(view_default_2, 1, 48, 96);  view_default_2 = None
+        clone_default_1: "f32[2, 48]" = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
+        view_default_4: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_1, [12, 8]);  clone_default_1 = None
+        permute_3: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_3, [1, 0]);  view_default_3 = None
         permute_9: "f32[8, 12]" = torch.ops.aten.permute.default(permute_3, [1, 0]);  permute_3 = None
         mm_2: "f32[4, 12]" = torch.ops.aten.mm.default(mm, permute_9);  permute_9 = None
         permute_10: "f32[8, 4]" = torch.ops.aten.permute.default(mm, [1, 0])
@@ -200,7 +194,7 @@ class GraphModule(torch.nn.Module):
         le: "b8[4, 12]" = torch.ops.aten.le.Scalar(alias_2, 0);  alias_2 = None
         scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
         where: "f32[4, 12]" = torch.ops.aten.where.self(le, scalar_tensor, mm_2);  le = mm_2 = None
-        permute_2: "f32[8, 12]" = torch.ops.aten.permute.default(view_default_7, [1, 0]);  view_default_7 = None
+        permute_2: "f32[8, 12]" = torch.ops.aten.permute.default(view_default_4, [1, 0]);  view_default_4 = None
         permute_13: "f32[12, 8]" = torch.ops.aten.permute.default(permute_2, [1, 0]);  permute_2 = None
         mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(where, permute_13);  permute_13 = None
         permute_14: "f32[12, 4]" = torch.ops.aten.permute.default(where, [1, 0])
@@ -211,29 +205,29 @@ class GraphModule(torch.nn.Module):
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(mm, mm_4);  mm = mm_4 = None
         permute_16: "f32[12, 8]" = torch.ops.aten.permute.default(permute_15, [1, 0]);  permute_15 = None
         clone_default_4: "f32[8]" = torch.ops.aten.clone.default(view_1, memory_format = torch.contiguous_format);  view_1 = None
-        view_default_18: "f32[8, 1]" = torch.ops.aten.view.default(clone_default_4, [8, 1]);  clone_default_4 = None
-        view_default_19: "f32[2, 4]" = torch.ops.aten.view.default(view_default_18, [2, 4]);  view_default_18 = None
+        view_default_15: "f32[8, 1]" = torch.ops.aten.view.default(clone_default_4, [8, 1]);  clone_default_4 = None
+        view_default_16: "f32[2, 4]" = torch.ops.aten.view.default(view_default_15, [2, 4]);  view_default_15 = None
         clone_default_5: "f32[8, 12]" = torch.ops.aten.clone.default(permute_12, memory_format = torch.contiguous_format);  permute_12 = None
-        view_default_20: "f32[8, 12]" = torch.ops.aten.view.default(clone_default_5, [8, 12]);  clone_default_5 = None
-        view_default_21: "f32[2, 48]" = torch.ops.aten.view.default(view_default_20, [2, 48]);  view_default_20 = None
+        view_default_17: "f32[8, 12]" = torch.ops.aten.view.default(clone_default_5, [8, 12]);  clone_default_5 = None
+        view_default_18: "f32[2, 48]" = torch.ops.aten.view.default(view_default_17, [2, 48]);  view_default_17 = None
         clone_default_6: "f32[12]" = torch.ops.aten.clone.default(view_2, memory_format = torch.contiguous_format);  view_2 = None
-        view_default_22: "f32[12, 1]" = torch.ops.aten.view.default(clone_default_6, [12, 1]);  clone_default_6 = None
-        view_default_23: "f32[2, 6]" = torch.ops.aten.view.default(view_default_22, [2, 6]);  view_default_22 = None
+        view_default_19: "f32[12, 1]" = torch.ops.aten.view.default(clone_default_6, [12, 1]);  clone_default_6 = None
+        view_default_20: "f32[2, 6]" = torch.ops.aten.view.default(view_default_19, [2, 6]);  view_default_19 = None
         clone_default_7: "f32[12, 8]" = torch.ops.aten.clone.default(permute_16, memory_format = torch.contiguous_format);  permute_16 = None
-        view_default_24: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_7, [12, 8]);  clone_default_7 = None
-        view_default_25: "f32[2, 48]" = torch.ops.aten.view.default(view_default_24, [2, 48]);  view_default_24 = None
-        cat_default_2: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_19, view_default_21, view_default_23, view_default_25], 1);  view_default_19 = view_default_21 = view_default_23 = view_default_25 = None
-        view_default_26: "f32[212]" = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
-        wait_tensor_default_3: "f32[18]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-        slice_tensor_3: "f32[2]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 0, 2)
-        view_default_16: "f32[2]" = torch.ops.aten.view.default(slice_tensor_3, [2]);  slice_tensor_3 = None
-        slice_tensor_4: "f32[16]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 2, 18);  wait_tensor_default_3 = None
-        view_default_17: "f32[2, 8]" = torch.ops.aten.view.default(slice_tensor_4, [2, 8]);  slice_tensor_4 = None
-        reduce_scatter_tensor_default_1: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_26, 'avg', 2, 'G');  view_default_26 = None
-        wait_tensor_default_2: "f32[96]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
-        view_default_9: "f32[2, 48]" = torch.ops.aten.view.default(wait_tensor_default_2, [2, 48]);  wait_tensor_default_2 = None
-        view_default_10: "f32[8, 12]" = torch.ops.aten.view.default(view_default_9, [8, 12]);  view_default_9 = None
-        permute_1: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_10, [1, 0]);  view_default_10 = None
+        view_default_21: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_7, [12, 8]);  clone_default_7 = None
+        view_default_22: "f32[2, 48]" = torch.ops.aten.view.default(view_default_21, [2, 48]);  view_default_21 = None
+        cat_default_2: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_16, view_default_18, view_default_20, view_default_22], 1);  view_default_16 = view_default_18 = view_default_20 = view_default_22 = None
+        view_default_23: "f32[212]" = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
+        wait_tensor_default_2: "f32[18]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+        slice_tensor_2: "f32[2]" = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 2)
+        view_default_13: "f32[2]" = torch.ops.aten.view.default(slice_tensor_2, [2]);  slice_tensor_2 = None
+        slice_tensor_3: "f32[16]" = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 2, 18);  wait_tensor_default_2 = None
+        view_default_14: "f32[2, 8]" = torch.ops.aten.view.default(slice_tensor_3, [2, 8]);  slice_tensor_3 = None
+        reduce_scatter_tensor_default_1: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_23, 'avg', 2, 'G');  view_default_23 = None
+        wait_tensor_default_1: "f32[96]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
+        view_default_6: "f32[2, 48]" = torch.ops.aten.view.default(wait_tensor_default_1, [2, 48]);  wait_tensor_default_1 = None
+        view_default_7: "f32[8, 12]" = torch.ops.aten.view.default(view_default_6, [8, 12]);  view_default_6 = None
+        permute_1: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_7, [1, 0]);  view_default_7 = None
         permute_17: "f32[8, 12]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
         mm_6: "f32[4, 12]" = torch.ops.aten.mm.default(add_2, permute_17);  permute_17 = None
         permute_18: "f32[8, 4]" = torch.ops.aten.permute.default(add_2, [1, 0])
@@ -253,45 +247,45 @@ class GraphModule(torch.nn.Module):
         view_4: "f32[12]" = torch.ops.aten.view.default(sum_5, [12]);  sum_5 = None
         permute_23: "f32[12, 8]" = torch.ops.aten.permute.default(permute_22, [1, 0]);  permute_22 = None
         clone_default_8: "f32[8]" = torch.ops.aten.clone.default(view_3, memory_format = torch.contiguous_format);  view_3 = None
-        view_default_31: "f32[8, 1]" = torch.ops.aten.view.default(clone_default_8, [8, 1]);  clone_default_8 = None
-        view_default_32: "f32[2, 4]" = torch.ops.aten.view.default(view_default_31, [2, 4]);  view_default_31 = None
+        view_default_28: "f32[8, 1]" = torch.ops.aten.view.default(clone_default_8, [8, 1]);  clone_default_8 = None
+        view_default_29: "f32[2, 4]" = torch.ops.aten.view.default(view_default_28, [2, 4]);  view_default_28 = None
         clone_default_9: "f32[8, 12]" = torch.ops.aten.clone.default(permute_20, memory_format = torch.contiguous_format);  permute_20 = None
-        view_default_33: "f32[8, 12]" = torch.ops.aten.view.default(clone_default_9, [8, 12]);  clone_default_9 = None
-        view_default_34: "f32[2, 48]" = torch.ops.aten.view.default(view_default_33, [2, 48]);  view_default_33 = None
+        view_default_30: "f32[8, 12]" = torch.ops.aten.view.default(clone_default_9, [8, 12]);  clone_default_9 = None
+        view_default_31: "f32[2, 48]" = torch.ops.aten.view.default(view_default_30, [2, 48]);  view_default_30 = None
         clone_default_10: "f32[12]" = torch.ops.aten.clone.default(view_4, memory_format = torch.contiguous_format);  view_4 = None
-        view_default_35: "f32[12, 1]" = torch.ops.aten.view.default(clone_default_10, [12, 1]);  clone_default_10 = None
-        view_default_36: "f32[2, 6]" = torch.ops.aten.view.default(view_default_35, [2, 6]);  view_default_35 = None
+        view_default_32: "f32[12, 1]" = torch.ops.aten.view.default(clone_default_10, [12, 1]);  clone_default_10 = None
+        view_default_33: "f32[2, 6]" = torch.ops.aten.view.default(view_default_32, [2, 6]);  view_default_32 = None
         clone_default_11: "f32[12, 8]" = torch.ops.aten.clone.default(permute_23, memory_format = torch.contiguous_format);  permute_23 = None
-        view_default_37: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_11, [12, 8]);  clone_default_11 = None
-        view_default_38: "f32[2, 48]" = torch.ops.aten.view.default(view_default_37, [2, 48]);  view_default_37 = None
-        cat_default_3: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_32, view_default_34, view_default_36, view_default_38], 1);  view_default_32 = view_default_34 = view_default_36 = view_default_38 = None
-        view_default_39: "f32[212]" = torch.ops.aten.view.default(cat_default_3, [-1]);  cat_default_3 = None
-        wait_tensor_default_4: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-        slice_tensor_5: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 4)
-        view_default_27: "f32[4]" = torch.ops.aten.view.default(slice_tensor_5, [4]);  slice_tensor_5 = None
-        slice_tensor_6: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 4, 52)
-        view_default_28: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_6, [4, 12]);  slice_tensor_6 = None
-        slice_tensor_7: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 52, 58)
-        view_default_29: "f32[6]" = torch.ops.aten.view.default(slice_tensor_7, [6]);  slice_tensor_7 = None
-        slice_tensor_8: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
-        view_default_30: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_8, [6, 8]);  slice_tensor_8 = None
-        reduce_scatter_tensor_default_2: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_39, 'avg', 2, 'G');  view_default_39 = None
-        wait_tensor_default_5: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-        slice_tensor_9: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_5, 0, 0, 4)
-        view_default_40: "f32[4]" = torch.ops.aten.view.default(slice_tensor_9, [4]);  slice_tensor_9 = None
-        slice_tensor_10: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_5, 0, 4, 52)
-        view_default_41: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_10, [4, 12]);  slice_tensor_10 = None
-        slice_tensor_11: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_5, 0, 52, 58)
-        view_default_42: "f32[6]" = torch.ops.aten.view.default(slice_tensor_11, [6]);  slice_tensor_11 = None
-        slice_tensor_12: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_5, 0, 58, 106);  wait_tensor_default_5 = None
-        view_default_43: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_12, [6, 8]);  slice_tensor_12 = None
-        return (view_default_43, view_default_42, None, view_default_41, view_default_40, view_default_30, view_default_29, view_default_28, view_default_27, view_default_17, view_default_16)
+        view_default_34: "f32[12, 8]" = torch.ops.aten.view.default(clone_default_11, [12, 8]);  clone_default_11 = None
+        view_default_35: "f32[2, 48]" = torch.ops.aten.view.default(view_default_34, [2, 48]);  view_default_34 = None
+        cat_default_3: "f32[2, 106]" = torch.ops.aten.cat.default([view_default_29, view_default_31, view_default_33, view_default_35], 1);  view_default_29 = view_default_31 = view_default_33 = view_default_35 = None
+        view_default_36: "f32[212]" = torch.ops.aten.view.default(cat_default_3, [-1]);  cat_default_3 = None
+        wait_tensor_default_3: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+        slice_tensor_4: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 0, 4)
+        view_default_24: "f32[4]" = torch.ops.aten.view.default(slice_tensor_4, [4]);  slice_tensor_4 = None
+        slice_tensor_5: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 4, 52)
+        view_default_25: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_5, [4, 12]);  slice_tensor_5 = None
+        slice_tensor_6: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 52, 58)
+        view_default_26: "f32[6]" = torch.ops.aten.view.default(slice_tensor_6, [6]);  slice_tensor_6 = None
+        slice_tensor_7: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 58, 106);  wait_tensor_default_3 = None
+        view_default_27: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_7, [6, 8]);  slice_tensor_7 = None
+        reduce_scatter_tensor_default_2: "f32[106]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_36, 'avg', 2, 'G');  view_default_36 = None
+        wait_tensor_default_4: "f32[106]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
+        slice_tensor_8: "f32[4]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 4)
+        view_default_37: "f32[4]" = torch.ops.aten.view.default(slice_tensor_8, [4]);  slice_tensor_8 = None
+        slice_tensor_9: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 4, 52)
+        view_default_38: "f32[4, 12]" = torch.ops.aten.view.default(slice_tensor_9, [4, 12]);  slice_tensor_9 = None
+        slice_tensor_10: "f32[6]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 52, 58)
+        view_default_39: "f32[6]" = torch.ops.aten.view.default(slice_tensor_10, [6]);  slice_tensor_10 = None
+        slice_tensor_11: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
+        view_default_40: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_11, [6, 8]);  slice_tensor_11 = None
+        return (view_default_40, view_default_39, None, view_default_38, view_default_37, view_default_27, view_default_26, view_default_25, view_default_24, view_default_14, view_default_13)
 """)
 
 
 def test_collectives_per_bucket(world2):
     model = graphshard.shard(TwoBlock())
-    stages = compile_and_step(model)
+    stages = compile_and_step(model, reshard_last_bucket=True)
     buckets = 3  # two blocks and the rest (head)
     assert len(calls(stages["fw"], c10d.all_gather_into_tensor.default)) == buckets
     assert len(calls(stages["bw"], c10d.all_gather_into_tensor.default)) == buckets
@@ -308,8 +302,19 @@ def test_collectives_per_bucket(world2):
     assert sum(n.args[0].meta["val"].numel() for n in rs) == 2 * total
 
 
-def test_forward_saves_no_unsharded_parameter(world2):
+def test_last_bucket_is_kept_for_backward_by_default(world2):
     stages = compile_and_step(graphshard.shard(TwoBlock()))
+    bw_gathers = calls(stages["bw"], c10d.all_gather_into_tensor.default)
+    assert [g.meta["graphshard"]["bucket"] for g in bw_gathers] == [1, 0]  # not the head's
+    assert len(calls(stages["bw"], c10d.reduce_scatter_tensor.default)) == 3
+    saved = set(saved_for_backward(stages["fw"], num_user_outputs=1))
+    head_gather = calls(stages["fw"], c10d.all_gather_into_tensor.default)[-1]
+    assert saved & gathered_values(stages["fw"]) <= derived_from(head_gather)
+    assert saved & derived_from(head_gather)
+
+
+def test_forward_saves_no_unsharded_parameter(world2):
+    stages = compile_and_step(graphshard.shard(TwoBlock()), reshard_last_bucket=True)
     saved = saved_for_backward(stages["fw"], num_user_outputs=1)
     assert saved, "the forward saves activations"
     assert not set(saved) & gathered_values(stages["fw"])

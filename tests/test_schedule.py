@@ -27,7 +27,8 @@ class FourBlock(nn.Module):
 
 
 def graphs(**options) -> dict[str, fx.GraphModule]:
-    backend = graphshard.backend(inductor=False, **options)
+    """Graphs of a 4-block step; every bucket is regathered in backward (schedule, not policy)."""
+    backend = graphshard.backend(inductor=False, reshard_last_bucket=True, **options)
     model = graphshard.shard(FourBlock())
     torch.compile(model, backend=backend)(torch.randn(8, 16)).sum().backward()
     (stages,) = backend.graphs
@@ -143,7 +144,7 @@ def test_schedule_is_deterministic(world2):
 
 def test_inductor_code_keeps_the_order(world2):
     model = graphshard.shard(FourBlock())
-    compiled = torch.compile(model, backend="graphshard")
+    compiled = torch.compile(model, backend=graphshard.backend(reshard_last_bucket=True))
     _, (fw, bw) = run_and_get_code(lambda: compiled(torch.randn(8, 16)).sum().backward())
     ag, wait_, mm = "all_gather_into_tensor.default(", "wait_tensor.default(", "extern_kernels."
     check = FileCheck().check(ag).check(wait_)

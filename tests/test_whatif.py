@@ -22,8 +22,10 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
     model = Llama(cfg)
     psi = sum(p.numel() for p in model.parameters())
     # Every dim 0 of tiny divides 2 and 4 (no padding). The backward gathers everything again
-    # but the embedding: its gradient does not read the weight.
-    psi_bw = psi - cfg.vocab_size * cfg.dim
+    # but the bucket read last in forward, kept for the backward that starts with it: the
+    # root bucket of embedding, final norm and output.
+    root = [model.tok_embeddings, model.norm, model.output]
+    psi_bw = psi - sum(p.numel() for m in root for p in m.parameters())
     for row in rows:
         n = row["world_size"]
         assert row["params"] == psi
