@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.systems import SYSTEMS, BenchContext, SyntheticTokens, System, build_system
+from bench.systems import SYSTEMS, BenchContext, System, build_system
+from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import CONFIGS, llama_config
 
 __all__ = ["main", "parse_args", "to_markdown", "zero3_bytes", "FIELDS"]

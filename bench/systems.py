@@ -30,7 +30,6 @@ __all__ = [
     "SYSTEMS",
     "BenchContext",
     "System",
-    "SyntheticTokens",
     "build_model",
     "build_system",
 ]
@@ -72,34 +71,6 @@ class System:
     distributed: bool = True
     backend: GraphshardBackend | None = None
     notes: list[str] = field(default_factory=list)
-
-
-class SyntheticTokens:
-    """Seeded, learnable token streams: the same rule on every rank, a batch per (step, rank).
-
-    ``used`` token ids are in play; each sequence starts at a random one and then follows a
-    fixed random successor permutation, except that a ``noise`` fraction of positions is
-    drawn at random. The loss therefore falls quickly and comparably for every system.
-    """
-
-    def __init__(self, vocab_size: int, seed: int, used: int = 128, noise: float = 0.1) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.token_ids = torch.randperm(vocab_size, generator=gen)[: max(1, min(used, vocab_size))]
-        self.successor = torch.randperm(len(self.token_ids), generator=gen)
-        self.noise = noise
-        self.seed = seed
-
-    def batch(self, step: int, rank: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """Token ids of shape (batch_size, seq_len) on the CPU, fixed by (seed, step, rank)."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + rank)
-        n_used = len(self.token_ids)
-        random_index = torch.randint(0, n_used, (batch_size, seq_len), generator=gen)
-        is_noise = torch.rand(batch_size, seq_len, generator=gen) < self.noise
-        index = random_index.clone()
-        for t in range(1, seq_len):
-            follow = self.successor[index[:, t - 1]]
-            index[:, t] = torch.where(is_noise[:, t], random_index[:, t], follow)
-        return self.token_ids[index]
 
 
 def build_model(ctx: BenchContext) -> Llama:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import graphshard
+from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import CONFIGS, Llama, llama_config
 
 
@@ -124,36 +125,6 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), dev
 
 
-class SyntheticTokens:
-    """Learnable synthetic token streams, the same rule on every rank.
-
-    ``data_vocab`` token ids (a random subset of the vocabulary) are in use; each sequence
-    starts at a random one and follows a fixed random permutation of them ("token a is
-    followed by token b"), except that a ``noise`` fraction of positions is drawn at random.
-    A model first learns which ids occur, then the permutation, so the loss falls quickly.
-    """
-
-    def __init__(self, vocab_size: int, data_vocab: int, noise: float, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        n_used = max(1, min(vocab_size, data_vocab))
-        self.token_ids = torch.randperm(vocab_size, generator=gen)[:n_used]
-        self.successor = torch.randperm(n_used, generator=gen)
-        self.noise = noise
-        self.seed = seed
-
-    def batch(self, step: int, rank: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """Token ids (batch_size, seq_len) on the CPU, different for every (step, rank)."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + rank)
-        n_used = len(self.token_ids)
-        random_index = torch.randint(0, n_used, (batch_size, seq_len), generator=gen)
-        is_noise = torch.rand(batch_size, seq_len, generator=gen) < self.noise
-        index = random_index.clone()
-        for t in range(1, seq_len):
-            follow = self.successor[index[:, t - 1]]
-            index[:, t] = torch.where(is_noise[:, t], random_index[:, t], follow)
-        return self.token_ids[index]
-
-
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)
@@ -189,7 +160,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
     )
-    data = SyntheticTokens(cfg.vocab_size, args.data_vocab, args.noise, args.seed)
+    data = SyntheticTokens(cfg.vocab_size, args.seed, used=args.data_vocab, noise=args.noise)
 
     if rank == 0:
         mode = "eager" if args.eager else "compiled"
