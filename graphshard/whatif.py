@@ -19,7 +19,7 @@ from graphshard.offline import Factory, trace_offline
 from graphshard.report import step_summary
 from passes.cost_model import get_profile
 from passes.markers import is_unshard, marker_args
-from passes.simulate import simulate
+from passes.simulate import gathered_nodes, simulate
 
 __all__ = ["WhatIf", "what_if", "format_table", "symbolic_report", "llama_factory"]
 
@@ -88,12 +88,18 @@ def _nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _saved_activations(bw: fx.GraphModule) -> int:
-    """Bytes the forward saves for backward, shards (``primals``) and gradients excluded."""
+def _saved_activations(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
+    """Bytes the forward saves for backward, without shards and kept unsharded parameters
+    (those count as parameters and peak unsharded). The saved values are the forward's last
+    outputs, in the order of the backward's non-gradient inputs."""
+    saved = [n for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    produced = outputs[len(outputs) - len(saved):] if saved else []
+    parameters = gathered_nodes(fw.graph)
     return sum(
-        _nbytes(n)
-        for n in bw.graph.find_nodes(op="placeholder")
-        if not n.name.startswith(("primals", "tangents"))
+        _nbytes(node)
+        for node in produced
+        if isinstance(node, fx.Node) and node.op != "placeholder" and node not in parameters
     )
 
 
@@ -142,7 +148,7 @@ def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) 
             timeline = simulate(stages[stage], hw)
             compute += timeline.compute_time
             comm += timeline.comm_time
-        activations += _saved_activations(stages["bw"])
+        activations += _saved_activations(stages["fw"], stages["bw"])
         names = _regathered(stages["bw"])
         regathered += sum(
             math.prod(marker_args(m).full_shape) for m in _markers(stages["joint"])

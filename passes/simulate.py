@@ -22,7 +22,7 @@ from passes.cost_model import (
     tensor_bytes,
 )
 
-__all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes"]
+__all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes", "gathered_nodes"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -159,6 +159,20 @@ def simulate(
     tl.total_time = max(compute_t, comm_free)
     tl.peak_unsharded_bytes = peak_unsharded_bytes(graph)
     return tl
+
+
+def gathered_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The all-gathers of ``graph`` and every node derived from them by rebuild ops alone:
+    the values that are unsharded parameters."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if collective_kind(node) == "all_gather" or (
+            node.op == "call_function"
+            and node.target in _REBUILD_OPS
+            and any(a in found for a in node.all_input_nodes)
+        ):
+            found.add(node)
+    return found
 
 
 def peak_unsharded_bytes(graph: fx.Graph) -> int:

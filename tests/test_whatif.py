@@ -37,3 +37,13 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
         assert row["buckets"] == cfg.n_layers + 1
     assert rows[1]["bytes_per_step"] > rows[0]["bytes_per_step"]  # (N-1)/N grows with N
     assert torch.distributed.is_initialized() is False
+
+
+def test_kept_parameters_are_not_counted_as_activations(tmp_path):
+    from graphshard.whatif import llama_factory, what_if
+
+    factory = llama_factory("tiny", 1, 16)
+    kept = what_if(factory, 2, profile="cpu-gloo")
+    freed = what_if(factory, 2, profile="cpu-gloo", reshard_last_bucket=True)
+    assert kept.params_regathered < freed.params_regathered
+    assert kept.activations == freed.activations
