@@ -22,12 +22,17 @@ STEPS = 5
 LR, MOMENTUM = 0.05, 0.9
 
 
+def _loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return model(*batch).loss
+
+
 @dataclass(frozen=True)
 class Case:
-    """A model and how to draw its batch for (step, rank)."""
+    """A model, how to draw its batch for (step, rank), and how to get its loss."""
 
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor] = _loss
 
 
 def _tokens(gen: torch.Generator) -> tuple:
@@ -38,10 +43,25 @@ def _regression(gen: torch.Generator) -> tuple:
     return torch.randn(6, 13, generator=gen), torch.randn(6, 3, generator=gen)
 
 
+def _hf_gpt2() -> nn.Module:
+    """Hugging Face GPT-2 (tied wte/lm_head, Conv1D layers), tiny, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg)
+
+
+def _hf_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[0]).loss
+
+
 CASES: dict[str, Case] = {
     "llama_tied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=True)), _tokens),
     "llama_untied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)), _tokens),
     "mlp_odd": Case(lambda: OddMLP(), _regression),
+    "hf_gpt2": Case(_hf_gpt2, _tokens, _hf_loss),
 }
 
 
@@ -80,7 +100,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
     opt = _optimizer(model)
     losses = []
     for step in range(STEPS):
-        loss = run(*batch(case, step, rank)).loss
+        loss = CASES[case].loss(run, batch(case, step, rank))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -96,7 +116,8 @@ def train_reference(case: str, world_size: int) -> dict:
     opt = _optimizer(model)
     losses = []
     for step in range(STEPS):
-        loss = sum(model(*batch(case, step, r)).loss for r in range(world_size)) / world_size
+        per_rank = [CASES[case].loss(model, batch(case, step, r)) for r in range(world_size)]
+        loss = sum(per_rank) / world_size
         loss.backward()
         opt.step()
         opt.zero_grad()
