@@ -10,6 +10,8 @@ later. The move depends only on the graph and the plan, so every rank issues the
 
 from __future__ import annotations
 
+import warnings
+
 from torch import fx
 
 from passes.fx_util import ancestors_after, collectives, graph_order, move_before, wait_of
@@ -45,6 +47,15 @@ def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if plan.prefetch_depth <= 0 or not gathers:
         return gm
     sizes = [gathered_bytes(g) for g in gathers]
+    cap = plan.max_unsharded_bytes
+    if cap is not None and max(sizes) > cap:
+        big = max(range(len(sizes)), key=sizes.__getitem__)
+        warnings.warn(
+            f"bucket {gathers[big].meta['graphshard']['bucket']} gathers {sizes[big]:,} bytes, "
+            f"more than max_unsharded_bytes={cap:,} on its own: use smaller buckets "
+            "(bucketing='size' or 'auto', or finer shard(buckets=...)) or raise the cap.",
+            stacklevel=2,
+        )
     # The first gather needs only shards: issue it before any compute (in backward, that
     # hides it under the loss gradient).
     first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder")

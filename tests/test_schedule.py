@@ -153,3 +153,8 @@ def test_inductor_code_keeps_the_order(world2):
     check.run(fw)
     check = FileCheck().check(ag).check(wait_).check(ag).check(mm).check("reduce_scatter_tensor")
     check.check(wait_).check(ag).check(mm).check(wait_).check("reduce_scatter_tensor").run(bw)
+
+
+def test_cap_below_one_bucket_warns(world2):
+    with pytest.warns(UserWarning, match="more than max_unsharded_bytes=100 on its own"):
+        graphs(max_unsharded_bytes=100)
