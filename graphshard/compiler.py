@@ -88,7 +88,7 @@ class GraphshardBackend:
             as they are, op by op, which is slower but shows exactly what the passes built.
         **plan_options: the scheduling and bucketing options of :class:`passes.Plan`
             (``prefetch_depth``, ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``,
-            ``profile``).
+            ``profile``, ``reshard_last_bucket``).
     """
 
     def __init__(
