@@ -57,11 +57,39 @@ def _hf_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return model(input_ids=batch[0], labels=batch[0]).loss
 
 
+class _OneRank:
+    """What PyTorch's test model reads from its group argument at construction."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def _torch_transformer() -> nn.Module:
+    """PyTorch's own FSDP test model: nn.Transformer, shared embedding/output, BatchNorm,
+    buffers (eval mode: deterministic, no dropout)."""
+    from torch.testing._internal.common_fsdp import DEVICEInitMode, TransformerWithSharedParams
+
+    return TransformerWithSharedParams(_OneRank(), DEVICEInitMode.DEVICE_NEVER, True, True)
+
+
+def _src_tgt(gen: torch.Generator) -> tuple:
+    return torch.randint(0, 23, (6, 2), generator=gen), torch.randint(0, 23, (4, 2), generator=gen)
+
+
+def _seq2seq_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    logits = model(*batch)
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[1].view(-1))
+
+
 CASES: dict[str, Case] = {
     "llama_tied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=True)), _tokens),
     "llama_untied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)), _tokens),
     "mlp_odd": Case(lambda: OddMLP(), _regression),
     "hf_gpt2": Case(_hf_gpt2, _tokens, _hf_loss),
+    "torch_transformer": Case(_torch_transformer, _src_tgt, _seq2seq_loss),
 }
 
 
