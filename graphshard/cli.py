@@ -59,26 +59,17 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Size up a model at several world sizes from fake-tensor traces."""
     import json
+    import os
 
-    from graphshard.offline import load_factory
-    from graphshard.whatif import (
-        format_table,
-        llama_factory,
-        rows_as_dicts,
-        symbolic_report,
-        what_if,
-    )
+    from graphshard.whatif import format_table, plan_many, rows_as_dicts, symbolic_report
 
-    if ":" in args.model:
-        sys.path.insert(0, str(Path.cwd()))
-        factory = load_factory(args.model)
-    else:
-        factory = llama_factory(args.model, args.batch_size, args.seq_len)
     sizes = [int(n) for n in args.world_size.split(",")]
+    jobs = args.jobs or min(len(sizes), os.cpu_count() or 1)
     rows = []
-    for n in sizes:
-        rows.append(what_if(factory, n, **_plan_options(args)))
-        print(f"N={n}: traced in {rows[-1].trace_s:.1f} s (passes {rows[-1].passes_s:.1f} s)",
+    for row in plan_many(args.model, args.batch_size, args.seq_len, sizes, _plan_options(args),
+                         jobs):
+        rows.append(row)
+        print(f"N={row.world_size}: traced in {row.trace_s:.1f} s (passes {row.passes_s:.1f} s)",
               flush=True)
     print(f"\n{args.model} on {args.profile}, memory per rank, bytes per rank and step\n")
     print(format_table(rows))
@@ -128,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--symbolic", action="store_true",
                       help="also print bytes and memory as formulas in N, checked")
     plan.add_argument("--json", default=None, help="write the rows as JSON here")
+    plan.add_argument("--jobs", type=int, default=0,
+                      help="world sizes traced at once, each in its own process "
+                      "(default: one per CPU core)")
     _add_plan_options(plan)
     plan.set_defaults(func=cmd_plan, profile="h100-nvlink")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +22,15 @@ from passes.cost_model import get_profile
 from passes.markers import is_unshard, marker_args
 from passes.simulate import gathered_nodes, simulate
 
-__all__ = ["WhatIf", "what_if", "format_table", "symbolic_report", "llama_factory"]
+__all__ = [
+    "WhatIf",
+    "what_if",
+    "plan_one",
+    "plan_many",
+    "format_table",
+    "symbolic_report",
+    "llama_factory",
+]
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size of the sharded parameters
 
@@ -72,6 +81,46 @@ def llama_factory(name: str, batch_size: int, seq_len: int) -> Factory:
         return Llama(cfg), (torch.randint(0, cfg.vocab_size, tokens),)
 
     return build
+
+
+def resolve_factory(model: str, batch_size: int, seq_len: int) -> Factory:
+    """A Llama preset name, or ``MODULE:FACTORY`` (a file in the current directory or an
+    importable module), as a factory."""
+    if ":" in model:
+        import sys
+        from pathlib import Path
+
+        from graphshard.offline import load_factory
+
+        sys.path.insert(0, str(Path.cwd()))
+        return load_factory(model)
+    return llama_factory(model, batch_size, seq_len)
+
+
+def plan_one(model: str, batch_size: int, seq_len: int, world_size: int, options: dict) -> WhatIf:
+    """:func:`what_if` for a model named as on the command line (picklable: runs in workers)."""
+    return what_if(resolve_factory(model, batch_size, seq_len), world_size, **options)
+
+
+def plan_many(
+    model: str, batch_size: int, seq_len: int, world_sizes: list[int], options: dict, jobs: int
+) -> Iterator[WhatIf]:
+    """:func:`plan_one` for each world size, ``jobs`` at a time in separate processes (each
+    trace needs a process group of its own), yielded in order as they finish."""
+    if jobs <= 1:
+        for n in world_sizes:
+            yield plan_one(model, batch_size, seq_len, n, options)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = [
+            pool.submit(plan_one, model, batch_size, seq_len, n, options) for n in world_sizes
+        ]
+        for future in futures:
+            yield future.result()
 
 
 def _markers(joint: fx.GraphModule) -> list[fx.Node]:
