@@ -102,6 +102,7 @@ class GraphshardBackend:
         self.dump_dir = dump_dir
         self.inductor = inductor
         self.plan = Plan(**plan_options)
+        get_profile(self.plan.profile)  # an unknown profile fails here, not mid-compile
         # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
         self.graphs: list[dict[str, fx.GraphModule]] = []
 

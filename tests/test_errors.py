@@ -77,3 +77,30 @@ def test_bucket_module_outside_the_model():
 def test_full_state_dict_of_unsharded_model():
     with pytest.raises(ValueError, match="call graphshard.shard"):
         graphshard.full_state_dict(nn.Linear(2, 2))
+
+
+def test_unknown_backend_option_names_the_known_ones():
+    with pytest.raises(TypeError, match="prefetch_dept.*known: .*prefetch_depth"):
+        graphshard.backend(prefetch_dept=2)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"bucketing": "layers"}, "bucketing must be one of"),
+        ({"prefetch_depth": -1}, "prefetch_depth must be >= 0"),
+        ({"bucket_bytes": 0}, "bucket_bytes must be positive"),
+    ],
+)
+def test_bad_plan_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        graphshard.backend(**options)
+
+
+def test_unknown_hardware_profile_lists_the_known_ones():
+    from passes.cost_model import get_profile
+
+    with pytest.raises(ValueError, match="h100-nvlink"):
+        get_profile("h100-nvlnk")
+    with pytest.raises(ValueError, match="h100-nvlink"):
+        graphshard.backend(profile="h100-nvlnk")
