@@ -16,7 +16,7 @@ from torch import nn
 
 import graphshard
 from graphshard.models.llama import Llama, llama_config
-from graphshard.models.mlp import OddMLP
+from graphshard.models.mlp import MLPOutput, OddMLP
 
 STEPS = 5
 LR, MOMENTUM = 0.05, 0.9
@@ -84,12 +84,33 @@ def _seq2seq_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[1].view(-1))
 
 
+class OddParams(nn.Module):
+    """Shapes that need padding: a 0-D scale, dim 0 of 1 and 2 (below the world size), 3-D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.shift = nn.Parameter(torch.randn(1))
+        self.mix = nn.Parameter(torch.randn(2, 5, 3) * 0.3)
+        self.proj = nn.Linear(6, 5)
+
+    def forward(self, x, y):
+        h = torch.einsum("bi,kij->bkj", self.proj(x), self.mix).flatten(1)
+        out = self.scale * torch.tanh(h) + self.shift
+        return MLPOutput(torch.nn.functional.mse_loss(out, y), out)
+
+
+def _odd_batch(gen: torch.Generator) -> tuple:
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+
+
 CASES: dict[str, Case] = {
     "llama_tied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=True)), _tokens),
     "llama_untied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)), _tokens),
     "mlp_odd": Case(lambda: OddMLP(), _regression),
     "hf_gpt2": Case(_hf_gpt2, _tokens, _hf_loss),
     "torch_transformer": Case(_torch_transformer, _src_tgt, _seq2seq_loss),
+    "odd_params": Case(OddParams, _odd_batch),
 }
 
 
