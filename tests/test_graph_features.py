@@ -1,0 +1,90 @@
+"""Graph-level behaviour on ordinary modules: inference, frozen parameters, graph breaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from graph_utils import c10d, calls, fake_process_group
+from test_graph_passes import TwoBlock
+from torch import nn
+
+import graphshard
+from passes.markers import shard_shape
+
+AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
+
+
+@pytest.fixture
+def world2():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        yield
+
+
+def test_no_grad_forward_gathers_and_never_reduces(world2):
+    backend = graphshard.backend(inductor=False)
+    model = torch.compile(graphshard.shard(TwoBlock()), backend=backend)
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    (stages,) = backend.graphs
+    assert set(stages) == {"dynamo", "inference"}
+    assert len(calls(stages["inference"], AG)) == 3
+    assert calls(stages["inference"], RS) == []
+
+
+def test_frozen_parameters_are_gathered_but_never_reduced(world2):
+    model = TwoBlock()
+    model.blocks[0].up.requires_grad_(False)
+    graphshard.shard(model)
+    backend = graphshard.backend(inductor=False, reshard_last_bucket=True)
+    torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+    (stages,) = backend.graphs
+    first_gather = calls(stages["fw"], AG)[0]
+    assert "blocks.0.up.weight" in first_gather.meta["graphshard"]["params"]
+    reduced = [n for rs in calls(stages["bw"], RS) for n in rs.meta["graphshard"]["params"]]
+    assert "blocks.0.up.weight" not in reduced and "blocks.0.up.bias" not in reduced
+    assert "blocks.0.down.weight" in reduced
+    trainable = [p for p in TwoBlock().parameters()][2:]  # all but blocks.0.up
+    rs_numel = sum(rs.args[0].meta["val"].numel() for rs in calls(stages["bw"], RS))
+    assert rs_numel == 2 * sum(math.prod(shard_shape(p.shape, 2)) for p in trainable)
+    assert dict(model.named_parameters())["blocks.0.up.weight"].grad is None
+
+
+class Breaks(TwoBlock):
+    def forward(self, x):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        return self.head(x)
+
+
+def test_each_graph_of_a_graph_break_gathers_only_what_it_uses(world2):
+    backend = graphshard.backend(inductor=False)
+    model = graphshard.shard(Breaks())
+    torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+    assert len(backend.graphs) == 2
+    gathered = [
+        [n for g in calls(stages["fw"], AG) for n in g.meta["graphshard"]["params"]]
+        for stages in backend.graphs
+    ]
+    assert all(name.startswith("blocks.0.") for name in gathered[0])
+    assert {n for n in gathered[1] if not n.startswith("blocks.1.")} == {"head.weight", "head.bias"}
+    assert any(n.startswith("blocks.1.") for n in gathered[1])
+    reduced = [
+        n for stages in backend.graphs for rs in calls(stages["bw"], RS)
+        for n in rs.meta["graphshard"]["params"]
+    ]
+    assert sorted(reduced) == sorted(name for name, _ in Breaks().named_parameters())
+
+
+def test_buffers_stay_whole_and_out_of_collectives(world2):
+    model = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    graphshard.shard(model)
+    assert model[1].running_mean.shape == (6,)
+    backend = graphshard.backend(inductor=False)
+    torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+    (stages,) = backend.graphs
+    names = [n for g in calls(stages["fw"], AG) for n in g.meta["graphshard"]["params"]]
+    assert not any("running" in n or "num_batches" in n for n in names)
