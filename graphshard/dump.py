@@ -40,10 +40,3 @@ class GraphDumper:
         self.dir.mkdir(parents=True, exist_ok=True)
         text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
         (self.dir / f"{stage}_{step:02d}_{name}.txt").write_text(text)
-
-    def write_text(self, filename: str, text: str) -> None:
-        """Write any other artefact (tables, traces) next to the graphs."""
-        if self.dir is None:
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / filename).write_text(text)

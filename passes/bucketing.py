@@ -19,7 +19,7 @@ import math
 
 from torch import fx
 
-from passes.cost_model import all_gather_time, get_profile, node_time, reduce_scatter_time
+from passes.cost_model import all_gather_time, node_time, reduce_scatter_time
 from passes.markers import is_reduce_grad, is_unshard, marker_args
 from passes.plan import Plan
 
@@ -135,7 +135,7 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if plan.bucketing == "size":
         indices = pack_by_size(sizes, plan.bucket_bytes)
     else:
-        profile = get_profile(plan.profile)
+        profile = plan.profile
         world = marker_args(free[0]).world_size
         indices = auto_boundaries(
             sizes,

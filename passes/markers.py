@@ -23,7 +23,6 @@ __all__ = [
     "shard_shape",
     "is_unshard",
     "is_reduce_grad",
-    "is_marker",
     "UnshardArgs",
     "ReduceGradArgs",
     "marker_args",
@@ -71,11 +70,6 @@ def is_unshard(node: fx.Node) -> bool:
 def is_reduce_grad(node: fx.Node) -> bool:
     """True for a call of the ``reduce_grad`` marker."""
     return node.op == "call_function" and node.target is REDUCE_GRAD
-
-
-def is_marker(node: fx.Node) -> bool:
-    """True for a call of either marker."""
-    return is_unshard(node) or is_reduce_grad(node)
 
 
 class UnshardArgs(NamedTuple):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from passes.cost_model import HardwareProfile, get_profile
 from passes.markers import marker_args
 
 __all__ = ["Plan", "Bucket", "collect_buckets"]
@@ -28,7 +29,9 @@ class Plan:
             ``"auto"`` picks boundaries with the cost model. Buckets the user named in
             ``shard(buckets=[...])`` are kept by every strategy.
         bucket_bytes: the byte cap of the ``"size"`` strategy.
-        profile: the hardware profile the ``"auto"`` strategy's cost model uses.
+        profile: the hardware profile the ``"auto"`` strategy's cost model uses: a
+            :class:`HardwareProfile` or its name, resolved here (a calibrated file on disk is
+            read once, when the plan is made, never inside a pass).
         reshard_last_bucket: also free the bucket of the parameter read last in forward. By
             default it is kept for backward, which starts by needing it (as FSDP2 keeps its
             root).
@@ -38,7 +41,7 @@ class Plan:
     max_unsharded_bytes: int | None = None
     bucketing: str = "block"
     bucket_bytes: int = 25 * 2**20
-    profile: str = "cpu-gloo"
+    profile: str | HardwareProfile = "cpu-gloo"
     reshard_last_bucket: bool = False
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class Plan:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if isinstance(self.profile, str):
+            object.__setattr__(self, "profile", get_profile(self.profile))
 
 
 @dataclass
