@@ -4,9 +4,55 @@
     model = torch.compile(model, backend="graphshard")
 """
 
+from graphshard.checkpoint import (
+    CheckpointInfo,
+    CheckpointMismatchError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from graphshard.compiler import GraphshardBackend, backend
+from graphshard.failures import RankFailureError, report_rank_failures
+from graphshard.fingerprint import PlanMismatchError
+from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
+from graphshard.graph_breaks import GraphBreakWarning
+from graphshard.guards import ShardedModelError
+from graphshard.mixed_precision import MixedPrecision
 from graphshard.sharding import shard
-from graphshard.state_dict import full_state_dict
+from graphshard.state_dict import (
+    StateDictMismatchError,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_optim_state_dict,
+    load_sharded_state_dict,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
 
-__all__ = ["shard", "backend", "GraphshardBackend", "full_state_dict"]
+__all__ = [
+    "shard",
+    "backend",
+    "GraphshardBackend",
+    "full_state_dict",
+    "load_full_state_dict",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optim_state_dict",
+    "load_sharded_optim_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "StateDictMismatchError",
+    "report_rank_failures",
+    "RankFailureError",
+    "PlanMismatchError",
+    "ShardedModelError",
+    "GraphBreakWarning",
+    "MixedPrecision",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "set_requires_all_reduce",
+]
 __version__ = "0.1.0"

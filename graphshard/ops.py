@@ -1,8 +1,9 @@
 """Eager kernels and autograd for the marker ops.
 
-The uncompiled sharded model runs these: ``unshard`` really all-gathers and unpads,
-``reduce_grad`` pads and reduce-scatters with averaging. They are the numerical reference
-for the compiled path, which replaces the markers with bucketed collectives.
+The uncompiled sharded model runs these: ``unshard`` casts, really all-gathers and unpads;
+``reduce_grad`` pads, reduce-scatters with averaging and, on a 2-D mesh, all-reduces across
+replicas. They are the numerical reference for the compiled path, which replaces the
+markers with bucketed collectives doing the same arithmetic in the same order.
 """
 
 from __future__ import annotations
@@ -10,32 +11,60 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from passes.markers import REDUCE_GRAD, UNSHARD, UnshardArgs, shard_rows
+from passes.markers import (
+    REDUCE_GRAD,
+    UNSHARD,
+    GradSync,
+    ReduceGradArgs,
+    UnshardArgs,
+    reduce_op,
+    shard_rows,
+)
 
 _c10d = torch.ops._c10d_functional
 
 
-def _unshard_eager(shard, full_shape, *rest):
-    world_size, group_name = rest[-2:]
-    if world_size == 1:
-        return shard.reshape(full_shape).clone()
+def _unshard_eager(shard, full_shape, *args, **kwargs):
+    m = UnshardArgs(shard, full_shape, *args, **kwargs)
+    local = shard if m.param_dtype is None else shard.to(m.param_dtype)
+    if m.world_size == 1:
+        return local.reshape(full_shape).clone()
     gathered = _c10d.wait_tensor(
-        _c10d.all_gather_into_tensor(shard.contiguous(), world_size, group_name)
+        _c10d.all_gather_into_tensor(local.contiguous(), m.world_size, m.group_name)
     )
     dim0 = full_shape[0] if len(full_shape) else 1
     return gathered.narrow(0, 0, dim0).reshape(full_shape).clone()
 
 
-def _reduce_grad_eager(grad, bucket, name, world_size, group_name):
-    rows = shard_rows(grad.shape, world_size)
-    flat = grad.reshape(grad.shape[0] if grad.dim() else 1, -1)
-    padded = F.pad(flat, (0, 0, 0, rows * world_size - flat.shape[0]))
-    if world_size == 1:
-        out = padded.clone()
+def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -> torch.Tensor:
+    if group_size == 1:
+        return tensor.clone()
+    op, factor = reduce_op(tensor.dtype, group_size)
+    if factor != 1.0:
+        tensor = tensor * factor
+    if kind == "reduce_scatter":
+        out = _c10d.reduce_scatter_tensor(tensor.contiguous(), op, group_size, group_name)
     else:
-        out = _c10d.wait_tensor(
-            _c10d.reduce_scatter_tensor(padded.contiguous(), "avg", world_size, group_name)
-        )
+        out = _c10d.all_reduce(tensor.contiguous(), op, group_name)
+    return _c10d.wait_tensor(out)
+
+
+def _reduce_grad_eager(grad, *args, **kwargs):
+    m = ReduceGradArgs(grad, *args, **kwargs)
+    if m.reduce_dtype is not None:
+        grad = grad.to(m.reduce_dtype)
+    if m.pending_full is not None:
+        grad = grad + m.pending_full
+    rows = shard_rows(grad.shape, m.world_size)
+    flat = grad.reshape(grad.shape[0] if grad.dim() else 1, -1)
+    padded = F.pad(flat, (0, 0, 0, rows * m.world_size - flat.shape[0]))
+    out = _reduce(padded, "reduce_scatter", m.world_size, m.group_name)
+    if m.pending_partial is not None:
+        out = out + m.pending_partial.reshape(out.shape)
+    if m.all_reduce and m.replica_size > 1:
+        out = _reduce(out, "all_reduce", m.replica_size, m.replica_group)
+    if m.out_dtype is not None:
+        out = out.to(m.out_dtype)
     return out.reshape((rows, *grad.shape[1:]))
 
 
@@ -45,12 +74,25 @@ torch.library.register_kernel("graphshard::reduce_grad", None, _reduce_grad_eage
 
 def _unshard_setup(ctx, inputs, output):
     ctx.marker = UnshardArgs(*inputs)
+    ctx.shard_dtype = inputs[0].dtype
 
 
 def _unshard_backward(ctx, grad):
+    """Where the gradient goes depends on ``sync``: the shard (reduced), or the accumulator."""
     m = ctx.marker
-    shard_grad = REDUCE_GRAD(grad, m.bucket, m.name, m.world_size, m.group_name)
-    return (shard_grad,) + (None,) * (len(m) - 1)
+    reduce_dtype = m.reduce_dtype
+    grads: list = [None] * len(m)
+    if m.sync == GradSync.NONE:
+        grads[UnshardArgs._fields.index("accum")] = grad.to(m.accum.dtype)
+        return tuple(grads)
+    final = m.sync == GradSync.FULL
+    reduced = REDUCE_GRAD(
+        grad, m.bucket, m.name, m.world_size, m.group_name, reduce_dtype,
+        ctx.shard_dtype if final else m.accum.dtype, m.replica_group, m.replica_size, final,
+        m.pending_full, m.pending_partial,
+    )  # fmt: skip
+    grads[0 if final else UnshardArgs._fields.index("accum")] = reduced
+    return tuple(grads)
 
 
 torch.library.register_autograd(

@@ -15,11 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from graphshard import ops  # noqa: F401  (registers the eager kernels)
-from passes.markers import UNSHARD, shard_rows
+from graphshard import guards, ops  # noqa: F401  (registers the eager kernels)
+from graphshard.mixed_precision import MixedPrecision, install_casts
+from passes.markers import UNSHARD, GradSync, shard_rows
 
-__all__ = ["shard", "ShardedParam", "ShardState", "shard_state", "is_sharded"]
+__all__ = [
+    "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision"
+]
 
 _STATE_ATTR = "_graphshard_state"
 
@@ -33,18 +37,27 @@ class ShardedParam:
     bucket: int
     pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
     shard: nn.Parameter
+    # Leaves that collect gradients held back by no_sync: the full gradient (GradSync.NONE)
+    # or the reduce-scattered partial (GradSync.PARTIAL). Their ``.grad`` is what is pending.
+    unreduced: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
 
 
 @dataclass
 class ShardState:
     """Per-root record of a sharding: the group and every sharded parameter."""
 
-    group: dist.ProcessGroup
-    world_size: int
-    rank: int
+    group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
+    world_size: int  # ranks in the shard group
+    rank: int  # this rank's index in the shard group
     reshard_after_forward: bool
     params: list[ShardedParam] = field(default_factory=list)
     bucket_names: list[str] = field(default_factory=list)
+    mesh: DeviceMesh | None = None  # as given: 1-D (shard) or 2-D (replicate, shard)
+    replica_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced over it
+    replica_size: int = 1
+    mixed_precision: MixedPrecision | None = None
+    sync: int = GradSync.FULL  # where this micro-batch's gradients go (see GradSync)
 
     @property
     def group_name(self) -> str:
@@ -68,23 +81,27 @@ def is_sharded(module: nn.Module) -> bool:
     return hasattr(getattr(module, "_orig_mod", module), _STATE_ATTR)
 
 
-def _resolve_group(mesh) -> dist.ProcessGroup:
+def _resolve_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """The shard group and, for a 2-D (replicate, shard) mesh, the replica group."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "graphshard.shard() needs an initialised process group: call "
             "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
-            "or pass a 1-D DeviceMesh."
+            "or pass a DeviceMesh."
         )
     if mesh is None:
-        return dist.group.WORLD
+        return dist.group.WORLD, None
     ndim = getattr(mesh, "ndim", None)
-    if ndim != 1:
-        raise ValueError(
-            f"graphshard.shard() takes a 1-D DeviceMesh, got a mesh with {ndim} dimensions "
-            f"(shape {tuple(getattr(mesh, 'shape', ()))}). Pass a 1-D mesh such as "
-            "init_device_mesh(device, (world_size,)), or mesh[...] of one dimension."
-        )
-    return mesh.get_group()
+    if ndim == 1:
+        return mesh.get_group(), None
+    if ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(
+        f"graphshard.shard() takes a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) "
+        f"for HSDP, got a mesh with {ndim} dimensions (shape {tuple(getattr(mesh, 'shape', ()))})"
+        ". Pass init_device_mesh(device, (world_size,)) or init_device_mesh(device, "
+        "(replicas, shards), mesh_dim_names=('replicate', 'shard')), or a slice of your mesh."
+    )
 
 
 def _main_block_list(module: nn.Module) -> nn.Module | None:
@@ -152,11 +169,25 @@ def _local_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor
     return local.reshape((rows, *full.shape[1:])).clone()
 
 
+def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
+    """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
+    if not shard.requires_grad:
+        return UNSHARD(shard, *spec)
+    if sync == GradSync.NONE:
+        return UNSHARD(shard, *spec, sync, entry.unreduced)
+    if sync == GradSync.PARTIAL:
+        return UNSHARD(shard, *spec, sync, entry.partial)
+    pending_full = None if entry.unreduced is None else entry.unreduced.grad
+    pending_partial = None if entry.partial is None else entry.partial.grad
+    return UNSHARD(shard, *spec, sync, None, pending_full, pending_partial)
+
+
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
     def make_property(pname: str) -> property:
         def get(self):
-            spec = self._graphshard_specs[pname]
-            return UNSHARD(self._parameters[pname], *spec)
+            entry, spec = self._graphshard_specs[pname]
+            state = self._graphshard_root_state
+            return read_param(self._parameters[pname], entry, spec, state.sync)
 
         return property(get)
 
@@ -171,18 +202,23 @@ def shard(
     *,
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
     reshard_after_forward: bool = True,
+    mixed_precision: MixedPrecision | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place across the ranks of ``mesh``.
 
     Args:
         module: any ``nn.Module`` with the same initial parameters on every rank.
-        mesh: a 1-D ``DeviceMesh``, or None for the default process group.
+        mesh: a 1-D ``DeviceMesh`` to shard across, a 2-D one ``(replicate, shard)`` for
+            HSDP (parameters sharded along the second dimension, gradients also averaged
+            across the first), or None to shard across the default process group.
         buckets: None for one bucket per block of the model's main ModuleList/Sequential plus
             one for the rest; or a list of module groups (a module or a list of modules, which
             need not be neighbours), each gathered as one bucket; what no group holds goes to
             a last bucket.
         reshard_after_forward: free unsharded parameters after forward and gather them again
             in backward (ZeRO-3, default); False keeps them for backward (ZeRO-2).
+        mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
+            ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now the local shards.
@@ -192,8 +228,15 @@ def shard(
             f"{type(module).__name__} is already sharded: call graphshard.shard() once per "
             "model, on the root module."
         )
-    group = _resolve_group(mesh)
+    group, replica_group = _resolve_groups(mesh)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a graphshard.MixedPrecision, got "
+            f"{type(mixed_precision).__name__}"
+        )
+    policy = mixed_precision or MixedPrecision()
     for name, p in module.named_parameters():
         if p.is_meta:
             raise ValueError(
@@ -201,8 +244,12 @@ def shard(
                 "module.to_empty(device=...) then initialise it identically on every rank) "
                 "before graphshard.shard()."
             )
+    originals = guards.collect_originals(module)  # marked once replaced (graphshard.guards)
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
-    state = ShardState(group, world_size, rank, reshard_after_forward, bucket_names=bucket_names)
+    state = ShardState(
+        group, world_size, rank, reshard_after_forward, bucket_names=bucket_names, mesh=mesh,
+        replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
+    )  # fmt: skip
 
     by_param: dict[int, ShardedParam] = {}
     owners: dict[int, tuple[nn.Module, list[str]]] = {}
@@ -231,7 +278,7 @@ def shard(
         for pname in dict.fromkeys(pnames):
             entry = by_param[id(sub._parameters[pname])]
             sub._parameters[pname] = entry.shard
-            specs[pname] = (
+            spec = (
                 list(entry.full_shape),
                 entry.bucket,
                 entry.pinned,
@@ -239,8 +286,34 @@ def shard(
                 entry.names[0],
                 world_size,
                 state.group_name,
+                policy.param_dtype,
+                policy.gradient_dtype,
+                "" if replica_group is None else replica_group.group_name,
+                replica_size,
             )
+            specs[pname] = (entry, spec)
         sub._graphshard_specs = specs
+        sub._graphshard_root_state = state
         sub.__class__ = _sharded_class(type(sub), specs)
+    for entry in state.params:
+        if entry.shard.requires_grad:
+            entry.shard.register_hook(_pending_consumed(entry))
+    if mixed_precision is not None:
+        install_casts(module, mixed_precision)
     setattr(module, _STATE_ATTR, state)
+    guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
     return module
+
+
+def _pending_consumed(entry: ShardedParam):
+    """Once the shard receives a reduced gradient, what no_sync held back has been folded
+    into it: drop it. (A backward that held its gradient back hands the shard None.)"""
+
+    def hook(grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        for leaf in (entry.unreduced, entry.partial):
+            if leaf is not None:
+                leaf.grad = None
+
+    return hook

@@ -3,7 +3,11 @@
 Each full gradient is padded on dim 0 and laid out as ``[world, rows * inner]``; the bucket's
 gradients are concatenated along dim 1 so that rank r's slice of the flat buffer is exactly
 the concatenation of its shards. One averaging reduce-scatter then hands each rank its
-gradient shards. It is issued once the bucket's last gradient exists; its wait sits just
+gradient shards. Mixed precision casts the gradients to ``reduce_dtype`` first and the
+result back to the shard's dtype; on a 2-D mesh the reduced shards are then all-reduced
+(averaged) across replicas; gradients held back by ``no_sync`` are added in, full ones
+before the reduce-scatter and reduce-scattered partials before the all-reduce.
+It is issued once the bucket's last gradient exists; its wait sits just
 after it (the scheduling passes delay it).
 """
 
@@ -15,7 +19,7 @@ import torch
 from torch import fx
 
 from passes.fx_util import NodeMaker, aten, c10d, graph_order, replace_and_erase
-from passes.markers import is_reduce_grad, marker_args, shard_shape
+from passes.markers import is_reduce_grad, marker_args, reduce_op, shard_shape
 from passes.plan import Bucket, Plan, collect_buckets
 
 __all__ = ["lower_reduce_grad"]
@@ -50,29 +54,69 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     with graph.inserting_before(anchor):
         columns, shapes = [], []
         for node in bucket.nodes:
-            grad = marker_args(node).grad
-            full_shape = list(grad.meta["val"].shape)
+            args = marker_args(node)
+            full_shape = list(args.grad.meta["val"].shape)
             shapes.append(shard_shape(full_shape, world))
+            grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
+            if args.pending_full is not None:  # full gradients of no_sync micro-batches
+                grad = make(aten.add.Tensor, grad, args.pending_full)
             columns.append(_as_rank_major(make, grad, full_shape, world))
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
-        reduced = make(c10d.reduce_scatter_tensor.default, flat, "avg", world, group)
+        reduced = _reduce(make, "reduce_scatter", flat, world, group)
         reduced.meta["graphshard"] = {
             "kind": "reduce_grad",
             "bucket": bucket.index,
             "params": bucket.names,
         }
-        waited = make(c10d.wait_tensor.default, reduced)
+        result = make(c10d.wait_tensor.default, reduced)
+        pending = [marker_args(n).pending_partial for n in bucket.nodes]
+        if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
+            result = make(aten.add.Tensor, result, _flat(make, pending, shapes))
+        if first.all_reduce and first.replica_size > 1:
+            across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
+            across.meta["graphshard"] = {"kind": "replica_reduce", "bucket": bucket.index}
+            result = make(c10d.wait_tensor.default, across)
+        if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
+            result = make(aten._to_copy.default, result, dtype=first.out_dtype)
         shards, offset = [], 0
         for shape in shapes:
             numel = math.prod(shape)
-            piece = waited
+            piece = result
             if numel != sum(math.prod(s) for s in shapes):
-                piece = make(aten.slice.Tensor, waited, 0, offset, offset + numel)
+                piece = make(aten.slice.Tensor, result, 0, offset, offset + numel)
             shards.append(make(aten.view.default, piece, list(shape)))
             offset += numel
     for node, shard in zip(list(bucket.nodes), shards, strict=True):
         replace_and_erase(node, shard)
+
+
+def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str) -> fx.Node:
+    """An averaging collective over ``size`` ranks, dividing first where the dtype needs it."""
+    op, factor = reduce_op(flat.meta["val"].dtype, size)
+    if factor != 1.0:
+        flat = make(aten.mul.Tensor, flat, factor)
+    if kind == "reduce_scatter":
+        return make(c10d.reduce_scatter_tensor.default, flat, op, size, group)
+    return make(c10d.all_reduce.default, flat, op, group)
+
+
+def _in_reduce_dtype(make: NodeMaker, grad: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    if dtype is None or dtype == grad.meta["val"].dtype:
+        return grad
+    return make(aten._to_copy.default, grad, dtype=dtype)
+
+
+def _flat(make: NodeMaker, tensors: list[fx.Node | None], shapes: list) -> fx.Node:
+    """The bucket's flat shard layout of ``tensors`` (zeros where one is missing)."""
+    template = next(t for t in tensors if t is not None)
+    pieces = []
+    for tensor, shape in zip(tensors, shapes, strict=True):
+        if tensor is None:
+            pieces.append(make(aten.new_zeros.default, template, [math.prod(shape)]))
+        else:
+            pieces.append(make(aten.view.default, tensor, [-1]))
+    return pieces[0] if len(pieces) == 1 else make(aten.cat.default, pieces)
 
 
 def _as_rank_major(make: NodeMaker, grad: fx.Node, full_shape: list[int], world: int) -> fx.Node:

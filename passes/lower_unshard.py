@@ -1,7 +1,8 @@
 """Lower the ``unshard`` markers of each bucket into one all-gather.
 
 One collective per bucket pays the latency once for all its parameters: the bucket's shards
-are flattened into one buffer, gathered rank-major, and each parameter is rebuilt from its
+are cast to the mixed-precision ``param_dtype`` (if any) and flattened into one buffer,
+gathered rank-major, and each parameter is rebuilt from its
 column of the gathered ``[world, bucket_numel]`` matrix, with dim-0 padding cut off.
 The gather is placed just before the bucket's first marker (its first use); the scheduling
 passes move it earlier.
@@ -53,7 +54,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     shapes = [shard_shape(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
     numels = [math.prod(shape) for shape in shapes]
     with graph.inserting_before(_insert_point(graph, bucket)):
-        flats = [make(aten.view.default, shard, [-1]) for shard in slots]
+        flats = [make(aten.view.default, _cast(make, shard, first), [-1]) for shard in slots]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
         gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
         gathered.meta["graphshard"] = {
@@ -72,6 +73,13 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     for shard, nodes in slots.items():
         for node in nodes:
             replace_and_erase(node, rebuilt[shard])
+
+
+def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:
+    """The shard in the dtype it is gathered in: mixed precision halves the bytes sent."""
+    if args.param_dtype is None or args.param_dtype == shard.meta["val"].dtype:
+        return shard
+    return make(aten._to_copy.default, shard, dtype=args.param_dtype)
 
 
 def _rebuild(

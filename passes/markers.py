@@ -26,16 +26,40 @@ __all__ = [
     "UnshardArgs",
     "ReduceGradArgs",
     "marker_args",
+    "GradSync",
+    "reduce_op",
 ]
 
 _lib = torch.library.Library("graphshard", "DEF")
+# ``sync`` says where the gradient of one micro-batch goes (see ``GradSync``); ``accum`` is the
+# leaf that receives it when it is not reduced all the way, ``pending_*`` what earlier
+# micro-batches accumulated, folded into this micro-batch's reduction.
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, bool reshard, "
-    "str name, int world_size, str group_name) -> Tensor"
+    "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
+    "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, int sync=0, "
+    "Tensor? accum=None, Tensor? pending_full=None, Tensor? pending_partial=None) -> Tensor"
 )
 _lib.define(
-    "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name) -> Tensor"
+    "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name, "
+    "ScalarType? reduce_dtype=None, ScalarType? out_dtype=None, str replica_group='', "
+    "int replica_size=1, bool all_reduce=True, Tensor? pending_full=None, "
+    "Tensor? pending_partial=None) -> Tensor"
 )
+
+
+class GradSync:
+    """Where one micro-batch's gradient goes (the ``sync`` argument of ``unshard``).
+
+    ``FULL``: reduce-scatter (and all-reduce across replicas) into the shard's ``.grad``,
+    folding in whatever earlier micro-batches left pending. ``PARTIAL``: reduce-scatter only,
+    accumulating the partial shard gradient for one replica all-reduce later (HSDP).
+    ``NONE``: no communication; the full gradient accumulates for one reduction later.
+    """
+
+    FULL = 0
+    PARTIAL = 1
+    NONE = 2
 
 UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
@@ -47,19 +71,33 @@ def shard_rows(full_shape: Sequence[int], world_size: int) -> int:
     return max(1, math.ceil(dim0 / world_size))
 
 
+def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
+    """The collective's reduce op and the factor applied before it, to average a gradient
+    of ``dtype`` over ``group_size`` ranks.
+
+    fp16 overflows when large gradients are summed: it is divided first, then summed. The
+    other dtypes use the collective's own average.
+    """
+    if dtype == torch.float16:
+        return "sum", 1.0 / group_size
+    return "avg", 1.0
+
+
 def shard_shape(full_shape: Sequence[int], world_size: int) -> tuple[int, ...]:
     """Shape of one rank's padded shard of a tensor of ``full_shape``."""
     return (shard_rows(full_shape, world_size), *tuple(full_shape[1:]))
 
 
 @torch.library.register_fake("graphshard::unshard")
-def _unshard_fake(shard, full_shape, *rest):
-    return shard.new_empty(full_shape)
+def _unshard_fake(shard, full_shape, *args, **kwargs):
+    dtype = UnshardArgs(shard, full_shape, *args, **kwargs).param_dtype or shard.dtype
+    return shard.new_empty(full_shape, dtype=dtype)
 
 
 @torch.library.register_fake("graphshard::reduce_grad")
-def _reduce_grad_fake(grad, bucket, name, world_size, group_name):
-    return grad.new_empty(shard_shape(grad.shape, world_size))
+def _reduce_grad_fake(grad, bucket, name, world_size, *args, **kwargs):
+    m = ReduceGradArgs(grad, bucket, name, world_size, *args, **kwargs)
+    return grad.new_empty(shard_shape(grad.shape, world_size), dtype=m.out_dtype or grad.dtype)
 
 
 def is_unshard(node: fx.Node) -> bool:
@@ -83,6 +121,14 @@ class UnshardArgs(NamedTuple):
     name: str
     world_size: int
     group_name: str
+    param_dtype: torch.dtype | None = None  # cast to this before the gather
+    reduce_dtype: torch.dtype | None = None  # the gradient is reduced in this dtype
+    replica_group: str = ""  # HSDP: the group the shard gradients are all-reduced over
+    replica_size: int = 1
+    sync: int = GradSync.FULL
+    accum: fx.Node | None = None
+    pending_full: fx.Node | None = None
+    pending_partial: fx.Node | None = None
 
 
 class ReduceGradArgs(NamedTuple):
@@ -93,6 +139,13 @@ class ReduceGradArgs(NamedTuple):
     name: str
     world_size: int
     group_name: str
+    reduce_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None  # the shard's dtype, or reduce_dtype for a partial
+    replica_group: str = ""
+    replica_size: int = 1
+    all_reduce: bool = True  # False: a partial (reduce-scattered, not yet all-reduced)
+    pending_full: fx.Node | None = None
+    pending_partial: fx.Node | None = None
 
 
 def marker_args(node: fx.Node) -> UnshardArgs | ReduceGradArgs:

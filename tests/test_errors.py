@@ -31,12 +31,12 @@ def test_shard_twice_through_compiled_wrapper():
             graphshard.shard(model)
 
 
-def test_two_dimensional_mesh():
+def test_three_dimensional_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_process_group(4):
-        mesh = init_device_mesh("cpu", (2, 2))
-        with pytest.raises(ValueError, match="1-D DeviceMesh.*2 dimensions"):
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2))
+        with pytest.raises(ValueError, match="1-D DeviceMesh.*2-D one.*3 dimensions"):
             graphshard.shard(nn.Linear(4, 4), mesh)
 
 

@@ -1,0 +1,115 @@
+"""Gradient accumulation: hold back the gradient reduction over several micro-batches.
+
+Two ways, as in FSDP2:
+- ``no_sync(model)`` (``set_requires_gradient_sync(model, False)``): no collective at all;
+  each parameter's full gradient accumulates locally (in the reduce dtype) and the next
+  synced backward reduces it together with its own, in one reduce-scatter. Fastest, but
+  holds a full-size gradient per parameter.
+- ``no_sync(model, reduce_scatter=True)`` (``set_requires_all_reduce(model, False)``): every
+  micro-batch is reduce-scattered, so only sharded gradients are held. On a 2-D (HSDP) mesh
+  the reduce-scattered partials are accumulated and all-reduced across replicas once, by the
+  synced backward; on a 1-D mesh this is simply accumulation into ``.grad``.
+
+The mode is read when the model runs; a compiled model is recompiled once per mode (the
+graphs differ: the no_sync backward has no collective), then each graph is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from graphshard.sharding import ShardedParam, ShardState, shard_state
+from passes.markers import GradSync, shard_shape
+
+__all__ = ["no_sync", "set_requires_gradient_sync", "set_requires_all_reduce"]
+
+
+def _stub_leaf(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A leaf of ``shape`` that takes gradients but stores one element (stride 0)."""
+    storage = torch.zeros(1, dtype=dtype, device=device)
+    return storage.as_strided(tuple(shape), (0,) * len(shape)).detach().requires_grad_()
+
+
+def _accum_dtype(state: ShardState, entry: ShardedParam) -> torch.dtype:
+    policy = state.mixed_precision
+    return (policy and policy.gradient_dtype) or entry.shard.dtype
+
+
+def _pending(state: ShardState, attr: str) -> list[str]:
+    return [
+        e.names[0] for e in state.params
+        if getattr(e, attr) is not None and getattr(e, attr).grad is not None
+    ]  # fmt: skip
+
+
+def _set_mode(state: ShardState, mode: int) -> None:
+    if mode == state.sync:
+        return
+    clash = {GradSync.NONE: "partial", GradSync.PARTIAL: "unreduced"}.get(mode)
+    if clash is not None and _pending(state, clash):
+        held = "reduce-scattered partial" if clash == "partial" else "unreduced full"
+        raise RuntimeError(
+            f"Gradients of {_pending(state, clash)[:3]} are held back as {held} gradients; "
+            "run one synced backward (outside no_sync) before switching between "
+            "no_sync(model) and no_sync(model, reduce_scatter=True)."
+        )
+    for entry in state.params:
+        if not entry.shard.requires_grad:
+            continue
+        device = entry.shard.device
+        if mode == GradSync.NONE and entry.unreduced is None:
+            entry.unreduced = _stub_leaf(entry.full_shape, _accum_dtype(state, entry), device)
+        if mode == GradSync.PARTIAL and entry.partial is None:
+            shape = shard_shape(entry.full_shape, state.world_size)
+            entry.partial = _stub_leaf(shape, _accum_dtype(state, entry), device)
+    state.sync = mode
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Reduce gradients in the coming backwards (True, the default), or accumulate them
+    unreduced (False) until a backward with it True reduces everything once."""
+    state = shard_state(model)
+    _set_mode(state, GradSync.FULL if requires_gradient_sync else GradSync.NONE)
+
+
+def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
+    """HSDP: False keeps reduce-scattering each backward but defers the all-reduce across
+    replicas (partials accumulate, sharded) until a backward with it True. On a 1-D mesh
+    there is no all-reduce: gradients simply accumulate in ``.grad``."""
+    state = shard_state(model)
+    deferred = not requires_all_reduce and state.replica_size > 1
+    _set_mode(state, GradSync.PARTIAL if deferred else GradSync.FULL)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]:
+    """Within the block, backwards hold back gradient communication; see the module doc.
+
+    Args:
+        model: the sharded model (or its ``torch.compile`` wrapper).
+        reduce_scatter: False skips every collective (full gradients accumulate); True
+            still reduce-scatters each micro-batch (only shards are held) and on an HSDP
+            mesh defers just the all-reduce across replicas.
+
+    The first backward after the block reduces what was held back. Example::
+
+        for micro in batches[:-1]:
+            with graphshard.no_sync(model):
+                loss_fn(model(micro)).backward()
+        loss_fn(model(batches[-1])).backward()   # reduces all micro-batches once
+        optimizer.step()
+    """
+    state = shard_state(model)
+    previous = state.sync
+    if reduce_scatter:
+        set_requires_all_reduce(model, False)
+    else:
+        set_requires_gradient_sync(model, False)
+    try:
+        yield
+    finally:
+        _set_mode(state, previous)
