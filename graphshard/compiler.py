@@ -9,6 +9,7 @@ Stages and their passes (each dumped before and after when a dump directory is s
 - ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
   ``overlap_reduce``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
+A graph that follows a graph break warns with its cost (``graphshard.GraphBreakWarning``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
+from graphshard.graph_breaks import TRACKER
 from graphshard.report import write_schedule
 from passes import (
     Plan,
@@ -143,7 +145,9 @@ class GraphshardBackend:
             partition_fn=partition,
             decompositions=select_decomp_table(),
         )
-        return compiler(gm, example_inputs)
+        compiled = compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
+        TRACKER.graph_compiled(gm, stages, plan.profile)
+        return compiled
 
 
 def backend(**options: Any) -> GraphshardBackend:

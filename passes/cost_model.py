@@ -190,12 +190,16 @@ def collective_kind(node: fx.Node) -> str | None:
 
 
 def _int(x: Any) -> int:
-    """A concrete int from an int or a SymInt (its hint when it is symbolic)."""
-    try:
-        return int(x)
-    except Exception:
-        hint = getattr(getattr(x, "node", None), "hint", None)
+    """A concrete int from an int or a SymInt (its hint when it is symbolic).
+
+    ``int()`` on a SymInt would install a guard and specialise the dynamic dimension: a graph
+    compiled for a new batch size would then recompile for every other one. The hint prices
+    the shape that was traced without constraining the graph.
+    """
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)
         return int(hint) if hint is not None else 0
+    return int(x)
 
 
 def _tensors(val: Any) -> Iterator[torch.Tensor]:

@@ -1,0 +1,219 @@
+"""Training features (issue 5): frozen and tied parameters, BatchNorm buffers, activation
+checkpointing, eval/no_grad, graph breaks and shape changes.
+
+Numerics: every case trains on 2 real gloo ranks, eager and compiled, in ONE launch, against
+a single-process reference. Structure: graph-level checks in this process on a fake group.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from graph_utils import c10d, calls, derived_from, fake_process_group
+from parity import assert_matches
+from parity_features import (
+    CASES,
+    BatchNormNet,
+    Blocks,
+    Breaks,
+    TiedAcross,
+    build,
+    frozen_mixed,
+    run_jobs,
+    tied_shard,
+    train_reference,
+)
+from torch import fx
+
+import graphshard
+from graphshard.graph_breaks import GraphBreakWarning
+from passes.cost_model import all_gather_time
+from passes.markers import shard_shape
+
+AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
+MODES = ("eager", "compiled")
+JOBS = [(case, mode) for case in CASES for mode in MODES]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(run_jobs, 2, JOBS)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {case: train_reference(case, 2) for case in CASES}
+
+
+# --- numerics on real ranks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case,mode", JOBS)
+def test_matches_single_process(world2, references, case, mode):
+    for rank, rank_results in enumerate(world2):
+        assert_matches(rank_results[(case, mode)], references[case][rank])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_parameters_get_no_gradient_and_stay_put(world2, mode):
+    init = build("frozen_mixed").state_dict()
+    for rank_results in world2:
+        result = rank_results[("frozen_mixed", mode)]
+        assert result["frozen_with_grad"] == []
+        for name in ("blocks.0.up.weight", "blocks.0.up.bias", "head.bias"):
+            torch.testing.assert_close(result["state"][name], init[name], rtol=0, atol=0)
+        trained = result["state"]["blocks.0.down.weight"]
+        assert not torch.equal(trained, init["blocks.0.down.weight"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batchnorm_statistics_stay_per_rank(world2, mode):
+    """As in DDP: each rank's running statistics come from its own batches only."""
+    means = [r[("batchnorm_eval", mode)]["state"]["net.1.running_mean"] for r in world2]
+    assert not torch.allclose(means[0], means[1])
+    states = [r[("batchnorm_eval", mode)]["state"] for r in world2]
+    counts = [int(state["net.1.num_batches_tracked"]) for state in states]
+    assert counts == [4, 4]  # 5 steps, one of them eval
+
+
+def test_graph_break_warning_names_the_break_on_real_ranks(world2):
+    for rank_results in world2:
+        messages = rank_results[("breaks_reshape", "compiled")]["break_warnings"]
+        assert messages, "a graph break in a sharded model must warn"
+        assert any("print" in m and "parity_features.py" in m for m in messages)
+        assert rank_results[("breaks_reshape", "eager")]["break_warnings"] == []
+
+
+def test_references_train():
+    """Guard against a parity that holds because nothing trains."""
+    for case in ("frozen_mixed", "tied_across", "checkpoint", "breaks_reshape"):
+        losses = train_reference(case, 2)[0]["losses"]
+        assert losses[-1] < losses[0] or case == "breaks_reshape", case
+        assert len(set(losses)) == len(losses), case
+
+
+# --- graph structure on a fake process group -------------------------------------------------
+
+
+@pytest.fixture
+def fake2():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        yield
+
+
+def _step(model, *inputs, **backend_options) -> list[dict[str, fx.GraphModule]]:
+    backend = graphshard.backend(inductor=False, **backend_options)
+    torch.compile(model, backend=backend)(*inputs).backward()
+    return backend.graphs
+
+
+def _regression(rows: int = 4) -> tuple:
+    return torch.randn(rows, 8), torch.randn(rows, 3)
+
+
+def _params(node: fx.Node) -> list[str]:
+    return node.meta["graphshard"]["params"]
+
+
+def test_mixed_bucket_reduces_only_its_trainable_parameters(fake2):
+    model = frozen_mixed()
+    graphshard.shard(model)
+    (stages,) = _step(model, *_regression(), reshard_last_bucket=True)
+    gathers = {n.meta["graphshard"]["bucket"]: _params(n) for n in calls(stages["fw"], AG)}
+    assert {"blocks.0.up.weight", "blocks.0.down.weight"} <= set(gathers[0])  # one bucket
+    (reduce0,) = [n for n in calls(stages["bw"], RS) if n.meta["graphshard"]["bucket"] == 0]
+    assert sorted(_params(reduce0)) == ["blocks.0.down.bias", "blocks.0.down.weight"]
+    trainable = [p for n, p in Blocks().named_parameters() if n.startswith("blocks.0.down")]
+    numel = 2 * sum(math.prod(shard_shape(p.shape, 2)) for p in trainable)
+    assert reduce0.args[0].meta["val"].numel() == numel
+    reduced = {n for rs in calls(stages["bw"], RS) for n in _params(rs)}
+    assert "head.bias" not in reduced and "head.weight" in reduced
+
+
+def test_tied_weight_across_buckets_is_gathered_and_reduced_once(fake2):
+    model = TiedAcross()
+    tied_shard(model)
+    tokens = torch.randint(0, 16, (4,))
+    (stages,) = _step(model, tokens, tokens, reshard_last_bucket=True)
+    for stage, op in (("fw", AG), ("bw", RS)):
+        names = [n for node in calls(stages[stage], op) for n in _params(node)]
+        tied = [n for n in names if n in ("emb.weight", "head.weight")]
+        assert len(tied) == 1, (stage, names)
+    # The head's bucket (0) owns the weight: the embedding reads it from there.
+    (owner,) = [n for n in calls(stages["fw"], AG) if "emb.weight" in _params(n)]
+    assert owner.meta["graphshard"]["bucket"] == 0
+
+
+def test_checkpointed_block_is_gathered_once_in_backward(fake2):
+    """Recompute and gradient share one gather per bucket, not one each."""
+    (stages,) = _step(graphshard.shard(Blocks(ckpt=True)), *_regression(),
+                      reshard_last_bucket=True)
+    buckets = collections.Counter(n.meta["graphshard"]["bucket"] for n in calls(stages["bw"], AG))
+    assert buckets == {0: 1, 1: 1, 2: 1}
+    tags = {n.meta.get("recompute") for n in stages["joint"].graph.nodes} - {None}
+    assert len(tags) > 1  # checkpoint's own PREFER_RECOMPUTE beside the markers' policy
+
+
+def _returned(gm: fx.GraphModule) -> set[fx.Node]:
+    (out,) = gm.graph.find_nodes(op="output")
+    found: list[fx.Node] = []
+    fx.node.map_arg(out.args, found.append)
+    return set(found)
+
+
+@pytest.mark.parametrize("model_cls", [Blocks, BatchNormNet])
+def test_eval_no_grad_is_forward_only_and_frees_gathers(fake2, model_cls):
+    model = graphshard.shard(model_cls()).eval()
+    backend = graphshard.backend(inductor=False)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*_regression())
+    (stages,) = backend.graphs
+    graph = stages["inference"]
+    assert set(stages) == {"dynamo", "inference"} and calls(graph, RS) == []
+    gathers = calls(graph, AG)
+    assert len(gathers) == len({n.meta["graphshard"]["bucket"] for n in gathers}) >= 2
+    assert not derived_from(*gathers) & _returned(graph)
+
+
+def test_graph_break_warns_with_reason_location_and_cost(fake2):
+    model = graphshard.shard(Breaks())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs = _step(model, *_regression())
+    (warning,) = [w for w in caught if w.category is GraphBreakWarning]
+    message = str(warning.message)
+    assert "parity_features.py" in message and 'print("", end="")' in message
+    assert "builtin operator `print`" in message
+    after = next(g["fw"] for g in graphs[1:] if "fw" in g and calls(g["fw"], AG))
+    first = calls(after, AG)[0].meta["val"]
+    nbytes = first.numel() * first.element_size()
+    assert f"+1 exposed all-gather ({nbytes:,} bytes" in message
+    seconds = all_gather_time(nbytes, 2, graphshard.backend().plan.profile)
+    assert f"{seconds * 1e3:.3f} ms" in message
+    assert "+1 exposed reduce-scatter" in message
+
+
+def test_no_graph_break_no_warning(fake2):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        _step(graphshard.shard(Blocks()), *_regression())
+
+
+@pytest.mark.parametrize("bucketing", ["block", "auto"])
+def test_shape_change_recompiles_once_with_a_dynamic_batch(fake2, bucketing):
+    """The cost model prices SymInts by their hint: pricing must not specialise the batch."""
+    backend = graphshard.backend(inductor=False, bucketing=bucketing)
+    compiled = torch.compile(graphshard.shard(Blocks()), backend=backend)
+    for rows in (4, 6, 8, 5):
+        compiled(*_regression(rows)).backward()
+    assert len(backend.graphs) == 2
+    inputs = backend.graphs[1]["fw"].graph.find_nodes(op="placeholder")
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in inputs)
+    static, dynamic = (len(calls(g["bw"], RS)) for g in backend.graphs)
+    assert dynamic == static >= 1
