@@ -13,6 +13,7 @@ __all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+prims = torch.ops.prims
 
 
 class NodeMaker:

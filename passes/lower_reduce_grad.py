@@ -18,7 +18,7 @@ import math
 import torch
 from torch import fx
 
-from passes.fx_util import NodeMaker, aten, c10d, graph_order, replace_and_erase
+from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from passes.markers import is_reduce_grad, marker_args, reduce_op, shard_shape
 from passes.plan import Bucket, Plan, collect_buckets
 
@@ -78,7 +78,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             across.meta["graphshard"] = {"kind": "replica_reduce", "bucket": bucket.index}
             result = make(c10d.wait_tensor.default, across)
         if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
-            result = make(aten._to_copy.default, result, dtype=first.out_dtype)
+            result = make(prims.convert_element_type.default, result, first.out_dtype)
         shards, offset = [], 0
         for shape in shapes:
             numel = math.prod(shape)
@@ -104,7 +104,7 @@ def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str) ->
 def _in_reduce_dtype(make: NodeMaker, grad: fx.Node, dtype: torch.dtype | None) -> fx.Node:
     if dtype is None or dtype == grad.meta["val"].dtype:
         return grad
-    return make(aten._to_copy.default, grad, dtype=dtype)
+    return make(prims.convert_element_type.default, grad, dtype)
 
 
 def _flat(make: NodeMaker, tensors: list[fx.Node | None], shapes: list) -> fx.Node:

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import fx
 
-from passes.fx_util import NodeMaker, aten, c10d, graph_order, replace_and_erase
+from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from passes.markers import is_unshard, marker_args, shard_shape
 from passes.plan import Bucket, Plan, collect_buckets
 
@@ -79,7 +79,7 @@ def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:
     """The shard in the dtype it is gathered in: mixed precision halves the bytes sent."""
     if args.param_dtype is None or args.param_dtype == shard.meta["val"].dtype:
         return shard
-    return make(aten._to_copy.default, shard, dtype=args.param_dtype)
+    return make(prims.convert_element_type.default, shard, args.param_dtype)
 
 
 def _rebuild(

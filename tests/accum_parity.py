@@ -1,0 +1,141 @@
+"""Harness for mixed precision, gradient accumulation and HSDP on real gloo ranks.
+
+Each job trains a few optimizer steps of 4 micro-batches; the single-process reference sums
+the micro-batch losses of every rank, averaged over ranks, so its gradient is what the
+sharded run's reductions must produce. Jobs are ``(case, mode, accum, mesh, precision)``:
+- ``mode``: "eager", "compiled" (Inductor) or "lowered" (the passes' graph run op by op,
+  which checks their arithmetic without paying for Inductor on 4 ranks);
+- ``accum``: "sync" (every micro-batch reduced), "no_sync" (held back unreduced) or
+  "reduce_scatter" (``no_sync(reduce_scatter=True)``: partials, all-reduced once on HSDP);
+- ``mesh``: "1d" or "2d" (replicate 2 x shard world/2);
+- ``precision``: "fp32" or "bf16/fp32", "bf16/bf16", "fp16/fp16" (param/reduce dtypes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from parity import CASES, batch, build
+from torch import nn
+
+import graphshard
+
+STEPS, MICRO = 2, 4
+LR = 0.05
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _policy(precision: str) -> graphshard.MixedPrecision | None:
+    if precision == "fp32":
+        return None
+    param, reduce = precision.split("/")
+    return graphshard.MixedPrecision(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+
+
+def _mesh(kind: str, world_size: int):
+    if kind == "1d":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _micro_batch(case: str, step: int, micro: int, rank: int) -> tuple:
+    return batch(case, step * MICRO + micro, rank)
+
+
+def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, mesh: str,
+                  precision: str) -> dict:
+    """Train with gradient accumulation over ``MICRO`` micro-batches; rank-mean losses."""
+    torch._dynamo.reset()
+    model = graphshard.shard(build(case), _mesh(mesh, world_size),
+                             mixed_precision=_policy(precision))
+    if mode == "eager":
+        run = model
+    else:
+        run = torch.compile(model, backend=graphshard.backend(inductor=mode == "compiled"))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(MICRO):
+            held_back = accum != "sync" and micro < MICRO - 1
+            hold = graphshard.no_sync(model, reduce_scatter=accum == "reduce_scatter")
+            with hold if held_back else contextlib.nullcontext():
+                loss = CASES[case].loss(run, _micro_batch(case, step, micro, rank))
+                loss.float().backward()
+            total += loss.detach().float()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return {"losses": losses, "state": graphshard.full_state_dict(model)}
+
+
+def train_reference(case: str, world_size: int) -> dict:
+    """One process, fp32: every rank's micro-batches; losses averaged over ranks."""
+    model = build(case)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(MICRO):
+            for r in range(world_size):
+                loss = CASES[case].loss(model, _micro_batch(case, step, micro, r)) / world_size
+                loss.backward()
+                total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+def train_fsdp2(rank: int, world_size: int, case: str, precision: str) -> dict:
+    """PyTorch FSDP2 (``fully_shard`` per block, then the root) with the same precision."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch._dynamo.reset()
+    model = build(case)
+    param, reduce = precision.split("/")
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            for block in module:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            break
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            CASES[case].loss(model, _micro_batch(case, step, micro, rank)).float().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict:
+    """Entry point for each rank: every job in turn (FSDP2 jobs start with "fsdp2")."""
+    results = {}
+    for job in jobs:
+        if job[0] == "fsdp2":
+            results[job] = train_fsdp2(rank, world_size, *job[1:])
+        else:
+            results[job] = train_sharded(rank, world_size, *job)
+    return results
+
+
+def update_error(state: dict, reference: dict, initial: dict) -> float:
+    """How far the training update (final - initial) is from the reference's, relative to
+    the largest reference update: a wrong divide factor is off by 50% or more."""
+    worst, scale = 0.0, 0.0
+    for key, ref in reference.items():
+        if not ref.is_floating_point():
+            continue
+        ref_update = ref.float() - initial[key].float()
+        worst = max(worst, (state[key].float() - initial[key].float() - ref_update).abs().max())
+        scale = max(scale, ref_update.abs().max())
+    return float(worst / scale)

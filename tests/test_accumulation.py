@@ -1,0 +1,88 @@
+"""Numerics of gradient accumulation, HSDP and mixed precision on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+from accum_parity import run_jobs, train_reference, update_error
+from dist_utils import run_ranks
+from parity import assert_matches, build
+
+# (case, mode, accum, mesh, precision)
+WORLD2_JOBS = [
+    ("mlp_odd", "eager", "no_sync", "1d", "fp32"),
+    ("mlp_odd", "compiled", "no_sync", "1d", "fp32"),
+    ("mlp_odd", "eager", "sync", "1d", "fp32"),
+    ("mlp_odd", "compiled", "sync", "1d", "fp32"),
+    ("llama_untied", "lowered", "no_sync", "1d", "fp32"),
+]
+MP_JOBS = [
+    ("mlp_odd", "eager", "sync", "1d", "bf16/fp32"),
+    ("mlp_odd", "compiled", "no_sync", "1d", "bf16/fp32"),
+    ("llama_untied", "lowered", "sync", "1d", "bf16/fp32"),
+]
+FSDP2_JOBS = {"mlp_odd": ("fsdp2", "mlp_odd", "bf16/fp32"),
+              "llama_untied": ("fsdp2", "llama_untied", "bf16/fp32")}
+# HSDP: 2 replicas x 2 shards.
+WORLD4_JOBS = [
+    ("mlp_odd", "eager", "sync", "2d", "fp32"),
+    ("mlp_odd", "lowered", "sync", "2d", "fp32"),
+    ("mlp_odd", "eager", "reduce_scatter", "2d", "fp32"),
+    ("mlp_odd", "compiled", "reduce_scatter", "2d", "fp32"),
+    ("mlp_odd", "eager", "no_sync", "2d", "fp32"),
+    ("mlp_odd", "lowered", "no_sync", "2d", "fp32"),
+]
+# Divide factors in low precision: 1/shards per micro-batch, 1/world overall.
+WORLD4_LOW_JOBS = [
+    ("mlp_odd", "eager", "reduce_scatter", "2d", "fp16/fp16"),
+    ("mlp_odd", "lowered", "reduce_scatter", "2d", "fp16/fp16"),
+    ("mlp_odd", "eager", "reduce_scatter", "2d", "bf16/bf16"),
+    ("mlp_odd", "lowered", "reduce_scatter", "2d", "bf16/bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(run_jobs, 2, WORLD2_JOBS + MP_JOBS + list(FSDP2_JOBS.values()))
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(run_jobs, 4, WORLD4_JOBS + WORLD4_LOW_JOBS)
+
+
+def _ids(jobs):
+    return ["-".join(job[1:4]) + "-" + job[0] for job in jobs]
+
+
+@pytest.mark.parametrize("job", WORLD2_JOBS, ids=_ids(WORLD2_JOBS))
+def test_accumulation_matches_single_process(world2, job):
+    reference = train_reference(job[0], 2)
+    for rank_results in world2:
+        assert_matches(rank_results[job], reference)
+
+
+@pytest.mark.parametrize("job", WORLD4_JOBS, ids=_ids(WORLD4_JOBS))
+def test_hsdp_matches_single_process(world4, job):
+    reference = train_reference(job[0], 4)
+    for rank_results in world4:
+        assert_matches(rank_results[job], reference)
+
+
+@pytest.mark.parametrize("job", WORLD4_LOW_JOBS, ids=_ids(WORLD4_LOW_JOBS))
+def test_hsdp_low_precision_divide_factors(world4, job):
+    reference = train_reference(job[0], 4)
+    initial = build(job[0]).state_dict()
+    for rank_results in world4:
+        error = update_error(rank_results[job]["state"], reference["state"], initial)
+        assert error < 0.05, f"update off by {error:.1%} of the reference update"
+
+
+@pytest.mark.parametrize("job", MP_JOBS, ids=_ids(MP_JOBS))
+def test_bf16_stays_within_fsdp2_error(world2, job):
+    """bf16 compute moves the result away from fp32; no further than FSDP2's own bf16 run."""
+    reference = train_reference(job[0], 2)
+    initial = build(job[0]).state_dict()
+    fsdp2 = update_error(world2[0][FSDP2_JOBS[job[0]]]["state"], reference["state"], initial)
+    for rank_results in world2:
+        ours = update_error(rank_results[job]["state"], reference["state"], initial)
+        assert 0 < ours <= 1.5 * fsdp2 + 1e-3, (ours, fsdp2)
