@@ -1,0 +1,227 @@
+"""A fingerprint of the sharding plan, compared across ranks before the first collective.
+
+Collectives only work when every rank issues the same ones in the same order, with the same
+sizes. Ranks that built a different model, passed different ``buckets`` or backend options,
+or run at a different world size would issue different collectives: at best a hang until
+the process-group timeout, at worst a gather that silently mixes unrelated tensors. So
+before the first collective graphshard compares, across the ranks of the sharding group:
+
+- at :func:`graphshard.shard`: world size, every parameter (names, full shape, dtype,
+  bucket), the bucket names and the sharding options (:func:`shard_fingerprint`);
+- at the first compile of a graph: the backend's plan options and every ``unshard`` marker
+  of the graph (name, shape, dtype, bucket, policy) (:func:`graph_fingerprint`).
+
+A rank compares one digest (one tiny collective); only when digests differ does it gather
+the full fingerprints to name the difference in a :class:`PlanMismatchError`. Nothing is
+compared on a fake process group (offline tracing) or at world size 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from passes.markers import is_unshard, marker_args
+
+__all__ = [
+    "PlanMismatchError",
+    "shard_fingerprint",
+    "graph_fingerprint",
+    "compare_across_ranks",
+    "check_shard_plan",
+    "check_compile_plan",
+]
+
+# (group name, digest) pairs this process already compared: a graph recompiled on one rank
+# only (say, a smaller last batch) must not start a collective the others never join.
+_compared: set[tuple[str, str]] = set()
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks would issue different collectives: the message names what differs."""
+
+
+def stable_repr(value: Any) -> str | None:
+    """A rank-independent text for a plan value, or None to leave it out of the fingerprint
+    (objects whose repr holds addresses, process groups)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.Size)):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (list, tuple)):
+        parts = [stable_repr(v) for v in value]
+        return None if None in parts else "[" + ", ".join(parts) + "]"  # type: ignore[arg-type]
+    if isinstance(value, Mapping):
+        parts = [f"{k!r}: {stable_repr(v)}" for k, v in value.items()]
+        return "{" + ", ".join(parts) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = [
+            f"{f.name}={r}"
+            for f in dataclasses.fields(value)
+            if (r := stable_repr(getattr(value, f.name))) is not None
+        ]
+        return f"{type(value).__name__}(" + ", ".join(inner) + ")"
+    if type(value).__name__ == "DeviceMesh":
+        return f"DeviceMesh(shape={tuple(value.shape)}, dims={value.mesh_dim_names})"
+    return None
+
+
+_STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward", "bucket_names"}
+
+
+def shard_fingerprint(state: Any) -> dict[str, str]:
+    """What every rank's :class:`graphshard.sharding.ShardState` must agree on."""
+    fp = {
+        "world size": str(state.world_size),
+        "reshard_after_forward": str(state.reshard_after_forward),
+        "buckets": json.dumps(list(state.bucket_names)),
+        "parameter order": json.dumps([e.names[0] for e in state.params]),
+    }
+    for entry in state.params:
+        fp["parameter " + ", ".join(entry.names)] = (
+            f"shape={tuple(entry.full_shape)} dtype={entry.shard.dtype} bucket={entry.bucket} "
+            f"pinned={entry.pinned} requires_grad={entry.shard.requires_grad}"
+        )
+    if dataclasses.is_dataclass(state):
+        for f in dataclasses.fields(state):
+            if f.name in _STATE_SKIP or "rank" in f.name or "group" in f.name:
+                continue
+            text = stable_repr(getattr(state, f.name))
+            if text is not None:
+                fp[f"shard option {f.name}"] = text
+    return fp
+
+
+def graph_fingerprint(gm: fx.GraphModule, plan: Any) -> dict[str, str]:
+    """The backend options and the ``unshard`` markers of a Dynamo graph, in order."""
+    fp: dict[str, str] = {}
+    if dataclasses.is_dataclass(plan):
+        for f in dataclasses.fields(plan):
+            text = stable_repr(getattr(plan, f.name))
+            if text is not None:
+                fp[f"backend option {f.name}"] = text
+    order = []
+    for node in gm.graph.nodes:
+        if not is_unshard(node):
+            continue
+        args = marker_args(node)._asdict()
+        name = args.pop("name")
+        order.append(name)
+        parts = []
+        for key, value in args.items():
+            if "group" in key or isinstance(value, fx.Node):
+                continue
+            text = stable_repr(value)
+            if text is not None:
+                parts.append(f"{key}={text}")
+        shard = node.args[0]
+        example = shard.meta.get("example_value", shard.meta.get("val")) \
+            if isinstance(shard, fx.Node) else None
+        if isinstance(example, torch.Tensor):
+            parts.append(f"dtype={example.dtype}")
+        fp[f"marker {name}"] = " ".join(parts)
+    fp["marker order"] = json.dumps(order)
+    return fp
+
+
+def _skip(group: dist.ProcessGroup | None) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if dist.get_backend(group) == "fake":
+        return True
+    return dist.get_world_size(group) <= 1
+
+
+def _digest(fp: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(fp.items())).encode()).hexdigest()
+
+
+def describe_differences(fps: list[dict[str, str]], ranks: list[int], limit: int = 12) -> str:
+    """Text naming what each rank's fingerprint has that the first rank's does not."""
+    ref = fps[0]
+    lines = []
+    for rank, fp in zip(ranks[1:], fps[1:], strict=True):
+        if fp == ref:
+            continue
+        diffs = []
+        for key in ref:
+            if key not in fp:
+                diffs.append(f"{key}: only on rank {ranks[0]}")
+            elif fp[key] != ref[key]:
+                diffs.append(f"{key}: rank {ranks[0]} has {ref[key]}, rank {rank} has {fp[key]}")
+        diffs += [f"{key}: only on rank {rank}" for key in fp if key not in ref]
+        shown = diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit
+                                 else [])
+        lines.append(f"rank {rank} vs rank {ranks[0]}:\n    " + "\n    ".join(shown))
+    return "\n  ".join(lines)
+
+
+def compare_across_ranks(
+    fp: Mapping[str, str], group: dist.ProcessGroup | None, what: str, fix: str
+) -> None:
+    """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all ranks hold the
+    same fingerprint. A collective over ``group`` (skipped on fake groups and world size 1)."""
+    if _skip(group):
+        return
+    size = dist.get_world_size(group)
+    digests: list[Any] = [None] * size
+    dist.all_gather_object(digests, _digest(fp), group=group)
+    if len(set(digests)) == 1:
+        return
+    fps: list[Any] = [None] * size
+    dist.all_gather_object(fps, dict(fp), group=group)
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
+    raise PlanMismatchError(
+        f"graphshard: the {what} differs between ranks, so they would issue different "
+        f"collectives (a hang or silently wrong results); stopped before the first one.\n  "
+        f"{describe_differences(fps, ranks)}\n{fix}"
+    )
+
+
+def _groups_of(state: Any) -> list[dist.ProcessGroup]:
+    mesh = getattr(state, "mesh", None)
+    if mesh is not None and getattr(mesh, "ndim", 1) > 1:
+        return [mesh.get_group(d) for d in range(mesh.ndim)]
+    return [state.group]
+
+
+def check_shard_plan(state: Any) -> None:
+    """Compare :func:`shard_fingerprint` over the sharding group(s); called by ``shard()``."""
+    fp = shard_fingerprint(state)
+    for group in _groups_of(state):
+        compare_across_ranks(
+            fp, group, "sharded model",
+            "Every rank must build the same model (same shapes and dtypes) and call "
+            "graphshard.shard() with the same buckets and options.",
+        )
+
+
+def check_compile_plan(gm: fx.GraphModule, plan: Any) -> None:
+    """Compare :func:`graph_fingerprint` over the group of the graph's markers, once per
+    distinct graph and plan in this process; called by the graphshard backend."""
+    markers = [n for n in gm.graph.nodes if is_unshard(n)]
+    if not markers:
+        return
+    group_name = marker_args(markers[0]).group_name
+    fp = graph_fingerprint(gm, plan)
+    key = (group_name, _digest(fp))
+    if key in _compared:
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    compare_across_ranks(
+        fp, _resolve_process_group(group_name), "compiled plan",
+        "Every rank must compile the same model with the same graphshard.backend(...) "
+        "options (prefetch_depth, bucketing, bucket_bytes, profile, ...).",
+    )
+    _compared.add(key)

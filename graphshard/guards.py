@@ -1,0 +1,170 @@
+"""Refuse what would silently corrupt a sharded model; keep what PyTorch changes in sync.
+
+Installed by :func:`graphshard.shard` through :func:`after_shard`:
+
+- **Replacing a parameter** (``model.fc.weight = nn.Parameter(...)``, ``del``,
+  ``register_parameter``) raises: ``nn.Module.__setattr__`` would put the full tensor where
+  the shard lives, and the next read would gather it as if it were a shard.
+- **An optimizer on the pre-shard parameters** raises at its first ``step()``: the
+  parameters ``shard()`` replaced are marked, and a global optimizer step pre-hook refuses
+  them (they would never receive a gradient: training would silently do nothing).
+- **``.to()`` / ``.double()`` / ``.cuda()`` / ``to_empty()``** are supported: PyTorch
+  converts the shards (the padding comes along); when it makes new ``Parameter`` objects
+  (``torch.__future__.set_overwrite_module_params_on_conversion(True)``, or conversions
+  between incompatible tensor types) the sharding record is re-pointed to them and tied
+  parameters stay tied.
+- **``model.load_state_dict(full_or_sharded)``** with full-shape tensors or DTensors raises,
+  naming :func:`graphshard.load_full_state_dict` / :func:`graphshard.load_sharded_state_dict`.
+- The plan fingerprint is compared across ranks (:mod:`graphshard.fingerprint`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from graphshard.fingerprint import check_shard_plan
+
+__all__ = ["collect_originals", "after_shard", "ShardedModelError"]
+
+
+class ShardedModelError(RuntimeError):
+    """An operation that would silently corrupt a sharded model."""
+
+
+def collect_originals(module: nn.Module) -> list[tuple[nn.Parameter, str]]:
+    """Every parameter of ``module`` with its first name, before :func:`shard` replaces it."""
+    return [(p, name) for name, p in module.named_parameters()]
+
+
+def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Parameter, str]]):
+    """Install the guards on a freshly sharded ``module`` and compare plans across ranks."""
+    for param, name in originals:
+        param._graphshard_replaced = name
+    entry_of = {id(e.shard): e for e in state.params}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        specs = sub.__dict__.get("_graphshard_specs")
+        if not specs or "_graphshard_entries" in sub.__dict__:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        sub.__dict__["_graphshard_entries"] = {
+            pname: entry_of[id(sub._parameters[pname])] for pname in specs
+        }
+        sub.__dict__["_graphshard_prefix"] = prefix
+        _guard_class(type(sub))
+    module.register_load_state_dict_pre_hook(_redirect_full_or_sharded)
+    check_shard_plan(state)
+
+
+# --------------------------------------------------------------------------- parameter writes
+
+
+def _refuse_replace(module: nn.Module, name: str, action: str) -> None:
+    fqn = module.__dict__.get("_graphshard_prefix", "") + name
+    raise ShardedModelError(
+        f"Cannot {action} parameter {fqn!r} of a sharded model: after graphshard.shard() "
+        "each rank holds only its shard of it, and a new tensor there would be taken for a "
+        "shard (gathered and trained silently wrong). Replace parameters before calling "
+        "graphshard.shard(); to change the values of a sharded parameter, use "
+        f"graphshard.load_full_state_dict(model, {{{fqn!r}: new_full_tensor}}, strict=False)."
+    )
+
+
+def _guard_class(cls: type) -> None:
+    """Give a per-instance sharded class guarded ``__setattr__``, ``__delattr__``,
+    ``register_parameter`` and ``_apply`` (once)."""
+    if cls.__dict__.get("_graphshard_guarded"):
+        return
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in (self.__dict__.get("_graphshard_specs") or ()):
+            _refuse_replace(self, name, "assign to")
+        super(cls, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in (self.__dict__.get("_graphshard_specs") or ()):
+            _refuse_replace(self, name, "delete")
+        super(cls, self).__delattr__(name)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if name in (self.__dict__.get("_graphshard_specs") or ()):
+            _refuse_replace(self, name, "re-register")
+        super(cls, self).register_parameter(name, param)
+
+    def _apply(self, fn, recurse: bool = True):
+        entries = self.__dict__.get("_graphshard_entries") or {}
+        before = {pname: self._parameters[pname] for pname in entries}
+        out = super(cls, self)._apply(fn, recurse)
+        for pname, old in before.items():
+            new, entry = self._parameters[pname], entries[pname]
+            if new is old:
+                continue
+            if entry.shard is old:  # first owner converted: the record follows
+                entry.shard = new
+            else:  # a tied owner already converted it: share that one Parameter
+                self._parameters[pname] = entry.shard
+        return out
+
+    cls.__setattr__ = __setattr__
+    cls.__delattr__ = __delattr__
+    cls.register_parameter = register_parameter
+    cls._apply = _apply
+    cls._graphshard_guarded = True
+
+
+# --------------------------------------------------------------------------- load_state_dict
+
+
+def _redirect_full_or_sharded(module, state_dict, prefix, *args: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from graphshard.sharding import shard_state
+
+    state = shard_state(module)
+    for entry in state.params:
+        for name in entry.names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                raise ShardedModelError(
+                    f"load_state_dict() got a DTensor for {name!r}: a sharded state dict. Use "
+                    "graphshard.load_sharded_state_dict(model, state_dict) (or "
+                    "graphshard.load_checkpoint for a saved checkpoint)."
+                )
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape != entry.shard.shape
+                and value.shape == entry.full_shape
+            ):
+                raise ShardedModelError(
+                    f"load_state_dict() got the full tensor {tuple(value.shape)} for {name!r}, "
+                    f"whose local shard is {tuple(entry.shard.shape)}: this is an unsharded "
+                    "state dict. Use graphshard.load_full_state_dict(model, state_dict)."
+                )
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if optimizer.__dict__.get("_graphshard_checked") == count:
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, "_graphshard_replaced", None)
+            if name is not None:
+                raise ShardedModelError(
+                    f"This {type(optimizer).__name__} holds parameter {name!r} from before "
+                    "graphshard.shard(), which replaced it with the local shard: stepping it "
+                    "would train nothing. Build the optimizer after sharding: "
+                    "model = graphshard.shard(model); "
+                    f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)."
+                )
+    optimizer.__dict__["_graphshard_checked"] = count
+    return None
+
+
+_HOOK = register_optimizer_step_pre_hook(_check_optimizer)

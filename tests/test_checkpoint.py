@@ -1,0 +1,263 @@
+"""Sharded checkpoints on real gloo ranks: resume, reshard on load, interrupted saves,
+mismatched checkpoints, full state dicts.
+
+One sequence shares a checkpoint directory (module fixture ``runs``):
+
+1. world 2: train 3 steps, save, train 3 more (``awkward`` eager, tiny Llama compiled);
+2. world 3: load the world-2 checkpoints and save them again; mismatched loads; a full
+   state dict broadcast from rank 0;
+3. world 1 (in this process): load the world-2 and world-3 checkpoints, save again;
+4. world 2, fresh processes and process group: resume from step 3 and train 3 steps; load
+   the world-3 and world-1 checkpoints back; then save step 6 with rank 1 killed mid-save;
+5. world 1 (in this process): the step-3 checkpoint is still the latest and loads exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_utils import (
+    assert_equal_state,
+    build,
+    full_optim_state,
+    launch,
+    optimizer,
+    results,
+    single_rank_group,
+    train,
+)
+
+import graphshard
+from graphshard.checkpoint import COMMIT_MARKER
+
+# model -> how the resume test runs it
+KINDS = {"awkward": "eager", "llama": "compiled"}
+
+
+def _sharded(kind: str, mode: str = "eager"):
+    torch._dynamo.reset()
+    model = graphshard.shard(build(kind))
+    run = torch.compile(model, backend="graphshard") if mode == "compiled" else model
+    opt, sched = optimizer(model)
+    return model, run, opt, sched
+
+
+def _snapshot(model, opt) -> dict:
+    return {"params": graphshard.full_state_dict(model), "optim": full_optim_state(model, opt)}
+
+
+def job_train_and_save(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for kind, mode in KINDS.items():
+        model, run, opt, sched = _sharded(kind, mode)
+        initial = graphshard.full_state_dict(model)
+        train(kind, run, opt, sched, range(0, 3))
+        graphshard.save_checkpoint(f"{root}/{kind}", model, opt, step=3,
+                                   extra={"scheduler": sched.state_dict()})
+        at3 = _snapshot(model, opt)
+        if kind == "awkward":
+            full = graphshard.full_state_dict(model, rank0_only=True, cpu_offload=True)
+            out["rank0_only_keys"] = sorted(full)
+            if rank == 0:
+                torch.save(full, f"{root}/awkward_full.pt")
+        losses = train(kind, run, opt, sched, range(3, 6))
+        out[kind] = {"initial": initial, "at3": at3, "losses": losses,
+                     "final": _snapshot(model, opt)}
+    return out
+
+
+def _load(kind: str, path: str) -> tuple:
+    """A fresh sharded ``kind`` with the checkpoint at ``path`` loaded (its optimizer as
+    ``model.opt``), and a snapshot of what was loaded."""
+    model, _, opt, _ = _sharded(kind)
+    info = graphshard.load_checkpoint(path, model, opt)
+    model.opt = opt
+    return model, {"step": info.step, "saved_world": info.world_size, "path": info.path.name,
+                   **_snapshot(model, opt)}
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def job_world3(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for kind in KINDS:
+        model, out[kind] = _load(kind, f"{root}/{kind}")
+        graphshard.save_checkpoint(f"{root}/{kind}_w3", model, model.opt, step=3)
+    # a full state dict read on rank 0 only, broadcast to the others
+    model, _, _, _ = _sharded("awkward")
+    full = torch.load(f"{root}/awkward_full.pt") if rank == 0 else None
+    graphshard.load_full_state_dict(model, full, from_rank0=True)
+    out["from_rank0"] = graphshard.full_state_dict(model)
+    # a checkpoint of another model: refused before the model is touched
+    model, _, opt, _ = _sharded("awkward")
+    before = graphshard.full_state_dict(model)
+    out["wrong_model"] = _refused(lambda: graphshard.load_checkpoint(f"{root}/llama", model, opt))
+    opt2 = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "scale"])
+    out["wrong_groups"] = _refused(lambda: graphshard.load_checkpoint(f"{root}/awkward", model,
+                                                                      opt2))
+    out["untouched"] = all(torch.equal(before[k], v)
+                           for k, v in graphshard.full_state_dict(model).items())
+    return out
+
+
+def world1(root: str) -> dict:
+    """World 1, run in this process (a process group of one)."""
+    out = {}
+    for name, kind in [("awkward", "awkward"), ("awkward_w3", "awkward"),
+                       ("llama_w3", "llama")]:
+        model, out[name] = _load(kind, f"{root}/{name}")
+        if name == "awkward_w3":
+            graphshard.save_checkpoint(f"{root}/awkward_w1", model, model.opt, step=3)
+    model, _, _, _ = _sharded("awkward")
+    graphshard.load_full_state_dict(model, torch.load(f"{root}/awkward_full.pt"))
+    out["full"] = graphshard.full_state_dict(model)
+    return out
+
+
+def job_resume_then_die(rank: int, world_size: int, root: str) -> None:
+    out = {}
+    for kind, mode in KINDS.items():
+        model, run, opt, sched = _sharded(kind, mode)
+        info = graphshard.load_checkpoint(f"{root}/{kind}", model, opt)
+        sched.load_state_dict(info.extra["scheduler"])
+        losses = train(kind, run, opt, sched, range(info.step, info.step + 3))
+        out[kind] = {"losses": losses, "final": _snapshot(model, opt)}
+    out["back"] = {name: _load(kind, f"{root}/{name}")[1]
+                   for name, kind in [("awkward_w3", "awkward"), ("awkward_w1", "awkward"),
+                                      ("llama_w3", "llama")]}
+    torch.save(out, f"{root}/resume_rank{rank}.pt")  # rank 1 will not return
+    # save step 6 while rank 1 dies after writing its data, before the save completes
+    model, run, opt, sched = _sharded("awkward")
+    graphshard.load_checkpoint(f"{root}/awkward", model, opt)
+    train("awkward", run, opt, sched, range(3, 6))
+    if rank == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write(self, plan, planner).wait()
+            os._exit(9)
+
+        FileSystemWriter.write_data = write_then_die
+    with graphshard.report_rank_failures():
+        graphshard.save_checkpoint(f"{root}/awkward", model, opt, step=6)
+
+
+def after_kill(root: str) -> dict:
+    """World 1, in this process: what the interrupted save left behind."""
+    ckpt = Path(root) / "awkward"
+    out = {"latest": graphshard.latest_checkpoint(ckpt), "tmp_dir": None}
+    out["loaded"] = _load("awkward", str(ckpt))[1]
+    model, _, _, _ = _sharded("awkward")
+    out["tmp_dir"] = _refused(lambda: graphshard.load_checkpoint(ckpt / ".tmp-step_00000006",
+                                                                 model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    out = {"root": Path(root)}
+    out["w2"] = results(launch(job_train_and_save, 2, root))
+    out["w3"] = results(launch(job_world3, 3, root))
+    with single_rank_group(root):
+        out["w1"] = world1(root)
+    out["kill"] = launch(job_resume_then_die, 2, root, pg_timeout_s=20, grace_s=30)
+    out["resume"] = [torch.load(f"{root}/resume_rank{r}.pt") for r in range(2)]
+    with single_rank_group(root):
+        out["after_kill"] = after_kill(root)
+    return out
+
+
+def test_resume_is_bit_identical(runs):
+    for kind in KINDS:
+        for rank, (first, again) in enumerate(zip(runs["w2"], runs["resume"], strict=True)):
+            assert again[kind]["losses"] == first[kind]["losses"], (kind, rank)
+            assert_equal_state(again[kind]["final"], first[kind]["final"], f"{kind} rank {rank}")
+        # the training did move the parameters, so equality above is not vacuous
+        w2 = runs["w2"][0][kind]
+        assert not torch.equal(w2["initial"]["scale" if kind == "awkward" else "norm.weight"],
+                               w2["at3"]["params"]["scale" if kind == "awkward"
+                                                   else "norm.weight"])
+
+
+def test_reshard_on_load_world3_and_world1(runs):
+    for kind in KINDS:
+        saved = runs["w2"][0][kind]["at3"]
+        for rank, got in enumerate(runs["w3"]):
+            assert (got[kind]["step"], got[kind]["saved_world"]) == (3, 2)
+            assert_equal_state(got[kind]["params"], saved["params"], f"w3 rank {rank} {kind}")
+            assert_equal_state(got[kind]["optim"], saved["optim"], f"w3 rank {rank} {kind}")
+    w1 = runs["w1"]
+    for name, kind, world in [("awkward", "awkward", 2), ("awkward_w3", "awkward", 3),
+                              ("llama_w3", "llama", 3)]:
+        saved = runs["w2"][0][kind]["at3"]
+        assert w1[name]["saved_world"] == world
+        assert_equal_state(w1[name]["params"], saved["params"], f"w1 {name}")
+        assert_equal_state(w1[name]["optim"], saved["optim"], f"w1 {name}")
+
+
+def test_reshard_back_to_world2(runs):
+    for rank, out in enumerate(runs["resume"]):
+        for name, kind, world in [("awkward_w3", "awkward", 3), ("awkward_w1", "awkward", 1),
+                                  ("llama_w3", "llama", 3)]:
+            saved = runs["w2"][0][kind]["at3"]
+            assert out["back"][name]["saved_world"] == world
+            assert_equal_state(out["back"][name]["params"], saved["params"], f"{rank} {name}")
+            assert_equal_state(out["back"][name]["optim"], saved["optim"], f"{rank} {name}")
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(runs):
+    rank0, rank1 = runs["kill"]
+    assert rank1.exitcode == 9 and rank1.error is None  # killed inside the save
+    # rank 0's save failed at once (no hang), with an error that says what happened
+    assert rank0.exitcode == 1 and rank0.error_type == "RankFailureError"
+    assert "no rank reported an error, so a rank died" in rank0.error
+    assert rank0.seconds < 60
+    ckpt = runs["root"] / "awkward"
+    assert (ckpt / ".tmp-step_00000006").is_dir()
+    assert not (ckpt / "step_00000006").exists()
+    after = runs["after_kill"]
+    assert after["latest"] == ckpt / "step_00000003"
+    assert (ckpt / "step_00000003" / COMMIT_MARKER).is_file()
+    assert after["loaded"]["step"] == 3
+    saved = runs["w2"][0]["awkward"]["at3"]
+    assert_equal_state(after["loaded"]["params"], saved["params"], "after the kill")
+    assert_equal_state(after["loaded"]["optim"], saved["optim"], "after the kill")
+    assert "no COMMITTED marker" in after["tmp_dir"]
+
+
+def test_mismatched_checkpoint_is_refused_before_loading(runs):
+    for out in runs["w3"]:  # every rank refuses on its own: none waits in a collective
+        msg = out["wrong_model"]
+        assert msg.startswith("CheckpointMismatchError")
+        assert "missing from the checkpoint (8): scale, shift, mix, proj.weight" in msg
+        assert "not in the model" in msg and "layers.0.attention.wq.weight" in msg
+        assert "param_groups[0]" in out["wrong_groups"] and "'scale'" in out["wrong_groups"]
+        assert out["untouched"]
+
+
+def test_full_state_dict_export_and_load(runs):
+    w2 = runs["w2"]
+    assert w2[0]["rank0_only_keys"] == sorted(w2[0]["awkward"]["at3"]["params"])
+    assert w2[1]["rank0_only_keys"] == []
+    saved = torch.load(runs["root"] / "awkward_full.pt")
+    assert all(v.device.type == "cpu" for v in saved.values())
+    assert_equal_state(saved, w2[0]["awkward"]["at3"]["params"], "torch.save file")
+    for out in runs["w3"]:
+        assert_equal_state(out["from_rank0"], saved, "from_rank0 at world 3")
+    assert_equal_state(runs["w1"]["full"], saved, "load_full_state_dict at world 1")
+    # a plain, unsharded model loads the export
+    plain = build("awkward")
+    plain.load_state_dict(saved)
+    assert torch.equal(plain.scale.detach(), saved["scale"])
