@@ -27,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
+from graphshard.fingerprint import check_compile_plan
 from graphshard.graph_breaks import TRACKER
 from graphshard.report import write_schedule
 from passes import (
@@ -110,6 +111,7 @@ class GraphshardBackend:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         dumper = GraphDumper(self.dump_dir or dump_dir_from_env(), next(_graph_ids), rank)
         plan = self.plan
+        check_compile_plan(gm, plan)  # same plan on every rank, before any collective runs
         stages: dict[str, fx.GraphModule] = {}
         self.graphs.append(stages)
 
