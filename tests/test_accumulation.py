@@ -10,6 +10,7 @@ from parity import assert_matches, build
 # (case, mode, accum, mesh, precision)
 WORLD2_JOBS = [
     ("mlp_odd", "eager", "no_sync", "1d", "fp32"),
+    ("llama_tied", "eager", "no_sync", "1d", "fp32"),  # a tied weight is read twice eagerly
     ("mlp_odd", "compiled", "no_sync", "1d", "fp32"),
     ("mlp_odd", "eager", "sync", "1d", "fp32"),
     ("mlp_odd", "compiled", "sync", "1d", "fp32"),
