@@ -160,3 +160,17 @@ def test_switching_accumulation_kind_mid_window_is_refused():
         with pytest.raises(RuntimeError, match="run one synced backward"):
             with graphshard.no_sync(model, reduce_scatter=True):
                 pass
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_inputs_cast_to_param_dtype_and_outputs_to_output_dtype(compiled):
+    policy = graphshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float64)
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = graphshard.shard(TwoBlock(), mixed_precision=policy)
+        run = torch.compile(model, backend=graphshard.backend(inductor=False)) if compiled \
+            else model
+        out = run(torch.randn(4, 8))  # an fp32 input meets bf16 weights: cast on the way in
+        assert out.dtype == torch.float64
+        out.sum().backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
