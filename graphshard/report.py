@@ -7,7 +7,7 @@ from pathlib import Path
 from torch import fx
 
 from graphshard.timeline import render_png, write_trace
-from passes.cost_model import HardwareProfile, node_time
+from passes.cost_model import HardwareProfile, collective_kind, node_time
 from passes.simulate import Timeline, simulate
 
 __all__ = ["bucket_rows", "bucket_table", "step_summary", "write_schedule"]
@@ -21,14 +21,16 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
         if not tag or "val" not in node.args[0].meta:
             continue
         full = node.meta["val"] if tag["kind"] == "unshard" else node.args[0].meta["val"]
+        kind = collective_kind(node)
+        world = tag.get("group_size") if kind == "all_reduce" else node.args[-2]
         rows.append(
             {
-                "kind": "all_gather" if tag["kind"] == "unshard" else "reduce_scatter",
+                "kind": kind,
                 "bucket": tag["bucket"],
                 "params": len(tag.get("params", [])),
                 "names": tag.get("params", []),
                 "unsharded_bytes": full.numel() * full.element_size(),
-                "world_size": int(node.args[1] if tag["kind"] == "unshard" else node.args[2]),
+                "world_size": int(world),
                 "seconds": node_time(node, profile),
             }
         )

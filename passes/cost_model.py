@@ -280,6 +280,8 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
         full = tensor_bytes(node.args[0].meta["val"])
         return reduce_scatter_time(full, int(node.args[2]), profile)
     if kind == "all_reduce":
+        # An all-reduce the lowering made (HSDP's replica reduction) records its group size.
+        world_size = node.meta.get("graphshard", {}).get("group_size", world_size)
         if world_size is None:
             raise ValueError(f"{node.name}: all_reduce needs world_size to be costed")
         return all_reduce_time(tensor_bytes(node.meta["val"]), world_size, profile)

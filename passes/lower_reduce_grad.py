@@ -75,7 +75,11 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             result = make(aten.add.Tensor, result, _flat(make, pending, shapes))
         if first.all_reduce and first.replica_size > 1:
             across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
-            across.meta["graphshard"] = {"kind": "replica_reduce", "bucket": bucket.index}
+            across.meta["graphshard"] = {
+                "kind": "replica_reduce",
+                "bucket": bucket.index,
+                "group_size": first.replica_size,
+            }
             result = make(c10d.wait_tensor.default, across)
         if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
             result = make(prims.convert_element_type.default, result, first.out_dtype)

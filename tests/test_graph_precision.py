@@ -10,6 +10,7 @@ from graph_utils import c10d, calls, fake_process_group, saved_for_backward
 from test_graph_passes import TwoBlock
 
 import graphshard
+from graphshard.report import bucket_rows
 
 AG, RS, AR = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
               c10d.all_reduce.default)
@@ -111,6 +112,10 @@ def test_hsdp_reduce_scatters_in_shard_group_then_all_reduces_across_replicas():
         assert all(a.args[1:] == ("avg", replica_group.group_name) for a in all_reduces)
         for gather in calls(stages["fw"], AG):
             assert gather.args[1:] == (2, shard_group.group_name)
+        # The schedule report names the replica all-reduce and its group size.
+        rows = bucket_rows(stages["bw"], backend.plan.profile)
+        kinds = [(r["kind"], r["world_size"]) for r in rows if r["kind"] != "all_gather"]
+        assert kinds.count(("all_reduce", 2)) == 3 and kinds.count(("reduce_scatter", 2)) == 3
         # Each all-reduce reduces what its reduce-scatter produced.
         for rs, ar in zip(reduces, all_reduces, strict=True):
             assert c10d.wait_tensor.default in {n.target for n in ar.all_input_nodes}
