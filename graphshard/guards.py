@@ -103,6 +103,9 @@ def _guard_class(cls: type) -> None:
             if new is old:
                 continue
             if entry.shard is old:  # first owner converted: the record follows
+                for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                    if getattr(old, hooks, None):
+                        setattr(new, hooks, getattr(old, hooks))
                 entry.shard = new
             else:  # a tied owner already converted it: share that one Parameter
                 self._parameters[pname] = entry.shard

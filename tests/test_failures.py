@@ -1,0 +1,312 @@
+"""Failures that must not hang or corrupt: a failing rank, ranks with different plans, and
+inputs that would silently break a sharded model.
+
+Real gloo ranks: a rank that raises and a rank that hangs (the other fails within the
+process-group timeout, with an error naming the cause), plans that differ between ranks.
+A rank killed mid-save is in ``test_checkpoint.py``. The rest are unit tests on a fake
+process group.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_utils import Awkward, batch, build, launch, results
+from graph_utils import fake_process_group
+from torch import fx, nn
+
+import graphshard
+from graphshard.checkpoint import COMMIT_MARKER, latest_checkpoint
+from graphshard.fingerprint import describe_differences, graph_fingerprint, shard_fingerprint
+from graphshard.models.mlp import OddMLP
+from graphshard.sharding import shard_state
+from passes import Plan
+from passes.markers import UNSHARD
+
+PG_TIMEOUT_S = 3.0
+
+
+def _error(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "", "no error"
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def job_plans_then_raise(rank: int, world_size: int) -> dict:
+    out = {}
+    # 1. a different model shape on rank 1: refused by shard(), before any collective
+    sizes = (13, 29, 7, 3) if rank == 0 else (13, 30, 7, 3)
+    out["shape"] = _error(lambda: graphshard.shard(OddMLP(sizes)))
+    # 2. different buckets
+    model = OddMLP()
+    groups = [[model.layers[0]]] if rank == 0 else [[model.layers[0], model.layers[2]]]
+    out["buckets"] = _error(lambda: graphshard.shard(model, buckets=groups))
+    # 3. different backend options: refused at the first compile, before the first gather
+    torch._dynamo.reset()
+    model = graphshard.shard(OddMLP())
+    compiled = torch.compile(model, backend=graphshard.backend(prefetch_depth=1 + rank,
+                                                               inductor=False))
+    out["backend"] = _error(lambda: compiled(torch.randn(4, 13)))
+    # 4. the process group still works after refusing: .double() after shard() trains right
+    out["double"] = _train_double(rank, world_size)
+    # 5. rank 1 raises (its process then exits); rank 0 is in the forward's all-gather
+    model = graphshard.shard(Awkward())
+    start = time.monotonic()
+    try:
+        with graphshard.report_rank_failures():
+            model(*batch("awkward", 0, rank)).loss.backward()
+            if rank == 1:
+                raise ValueError("bad batch on rank 1")
+            start = time.monotonic()
+            model(*batch("awkward", 1, rank)).loss.backward()
+    except Exception as exc:
+        out["raise"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    return out
+
+
+def _train_double(rank: int, world_size: int) -> float:
+    """Shard, then ``.double()``: two SGD steps match a float64 single-process reference."""
+    model = graphshard.shard(build("awkward")).double()
+    reference = build("awkward").double()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(2):
+        local = [t.double() for t in batch("awkward", step, rank)]
+        model(*local).loss.backward()
+        per_rank = [reference(*[t.double() for t in batch("awkward", step, r)]).loss
+                    for r in range(world_size)]
+        (sum(per_rank) / world_size).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = graphshard.full_state_dict(model)
+    assert all(v.dtype == torch.float64 for v in full.values())
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def job_hang(rank: int, world_size: int) -> dict:
+    model = graphshard.shard(Awkward())
+    with graphshard.report_rank_failures():
+        model(*batch("awkward", 0, rank)).loss.backward()
+        if rank == 1:
+            time.sleep(60)  # stuck (killed by the test once rank 0 has failed)
+        start = time.monotonic()
+        try:
+            model(*batch("awkward", 1, rank)).loss.backward()
+        finally:
+            print(f"rank {rank} waited {time.monotonic() - start:.1f} s", flush=True)
+    return {}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return results(launch(job_plans_then_raise, 2, pg_timeout_s=PG_TIMEOUT_S, deadline_s=120,
+                          grace_s=20))
+
+
+def test_different_model_shapes_are_refused_before_the_first_collective(ranks):
+    for out in ranks:
+        kind, msg = out["shape"]
+        assert kind == "PlanMismatchError"
+        assert "sharded model differs between ranks" in msg
+        assert ("parameter layers.0.weight: rank 0 has shape=(29, 13) dtype=torch.float32 "
+                "bucket=0") in msg and "rank 1 has shape=(30, 13)" in msg
+        assert "same model" in msg
+
+
+def test_different_buckets_are_refused(ranks):
+    for out in ranks:
+        kind, msg = out["buckets"]
+        assert kind == "PlanMismatchError"
+        assert "buckets: rank 0 has" in msg and "layers.0+layers.2" in msg
+
+
+def test_different_backend_options_are_refused_at_compile(ranks):
+    for out in ranks:
+        kind, msg = out["backend"]
+        assert kind == "BackendCompilerFailed"  # how torch.compile reports backend errors
+        assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
+        assert "backend option prefetch_depth: rank 0 has 1, rank 1 has 2" in msg
+
+
+def test_dtype_change_after_shard_trains_correctly(ranks):
+    for out in ranks:
+        assert out["double"] < 1e-12
+
+
+def test_a_rank_that_raises_fails_the_others_with_its_error(ranks):
+    kind, msg, _ = ranks[1]["raise"]
+    assert (kind, msg) == ("ValueError", "bad batch on rank 1")
+    kind, msg, seconds = ranks[0]["raise"]
+    assert kind == "RankFailureError"
+    assert "rank 1 failed: ValueError: bad batch on rank 1" in msg
+    assert seconds < PG_TIMEOUT_S + 2
+
+
+def test_a_hung_rank_fails_the_others_within_the_timeout():
+    start = time.monotonic()
+    rank0, rank1 = launch(job_hang, 2, pg_timeout_s=PG_TIMEOUT_S, deadline_s=90, grace_s=1)
+    assert rank1.exitcode is None  # still asleep: killed by the launcher
+    assert rank0.error_type == "RankFailureError"
+    assert f"process-group timeout {PG_TIMEOUT_S:g} s" in rank0.error
+    assert "no rank reported an error" in rank0.error
+    assert "init_process_group(timeout=" in rank0.error
+    assert rank0.seconds < PG_TIMEOUT_S + 10
+    assert time.monotonic() - start < 60
+
+
+# --------------------------------------------------------------------------- fingerprint units
+
+
+def test_shard_fingerprint_names_parameters_buckets_and_options():
+    with fake_process_group(2):
+        fp = shard_fingerprint(shard_state(graphshard.shard(OddMLP())))
+    assert fp["world size"] == "2"
+    assert fp["parameter layers.0.weight"] == (
+        "shape=(29, 13) dtype=torch.float32 bucket=0 pinned=False requires_grad=True"
+    )
+    assert fp["buckets"] == '["layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "<rest>"]'
+    assert fp["reshard_after_forward"] == "True"
+    assert not any("rank" in key and key != "world size" for key in fp)  # rank-independent
+
+
+def test_graph_fingerprint_reads_plan_options_and_markers():
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    shard.meta["example_value"] = torch.empty(2, 6, dtype=torch.bfloat16)
+    graph.output(graph.call_function(UNSHARD, (shard, [4, 6], 3, False, True, "fc.weight", 2,
+                                               "group-name-not-compared")))
+    fp = graph_fingerprint(fx.GraphModule(nn.Module(), graph), Plan(prefetch_depth=2))
+    assert fp["backend option prefetch_depth"] == "2"
+    assert fp["backend option profile"].startswith("HardwareProfile(name='cpu-gloo'")
+    marker = fp["marker fc.weight"]
+    assert "full_shape=[4, 6]" in marker and "bucket=3" in marker and "world_size=2" in marker
+    assert "dtype=torch.bfloat16" in marker and "group" not in marker
+    assert fp["marker order"] == '["fc.weight"]'
+
+
+def test_describe_differences_names_each_key():
+    a = {"world size": "2", "parameter w": "shape=(4,)", "only a": "1"}
+    b = {"world size": "2", "parameter w": "shape=(5,)", "only b": "1"}
+    text = describe_differences([a, b, a], [0, 1, 2])
+    assert "rank 1 vs rank 0" in text and "rank 2" not in text
+    assert "parameter w: rank 0 has shape=(4,), rank 1 has shape=(5,)" in text
+    assert "only a: only on rank 0" in text and "only b: only on rank 1" in text
+
+
+# --------------------------------------------------------------------------- guard units
+
+
+def test_replacing_a_parameter_after_shard_is_refused():
+    with fake_process_group(2):
+        model = graphshard.shard(OddMLP())
+        layer = model.layers[0]
+        with pytest.raises(graphshard.ShardedModelError,
+                           match=r"assign to parameter 'layers.0.weight'.*before calling "
+                                 r"graphshard.shard\(\).*load_full_state_dict"):
+            layer.weight = nn.Parameter(torch.zeros(29, 13))
+        with pytest.raises(graphshard.ShardedModelError, match="delete parameter 'layers.0.bias'"):
+            del layer.bias
+        with pytest.raises(graphshard.ShardedModelError, match="re-register"):
+            layer.register_parameter("weight", nn.Parameter(torch.zeros(29, 13)))
+        assert layer._parameters["weight"] is shard_state(model).params[0].shard
+        layer.note = "other attributes are fine"
+        assert layer.note == "other attributes are fine"
+
+
+def test_optimizer_on_the_pre_shard_parameters_is_refused():
+    with fake_process_group(2):
+        model = OddMLP()
+        stale = torch.optim.SGD(model.parameters(), lr=0.1)
+        graphshard.shard(model)
+        with pytest.raises(graphshard.ShardedModelError,
+                           match=r"holds parameter 'layers.0.weight' from before "
+                                 r"graphshard.shard\(\).*Build the optimizer after sharding"):
+            stale.step()
+        good = torch.optim.SGD(model.parameters(), lr=0.1)
+        good.step()  # built on the shards: accepted
+        assert good.__dict__["_graphshard_checked"] == len(list(model.parameters()))
+
+
+def test_to_dtype_after_shard_keeps_the_sharding():
+    with fake_process_group(2):
+        model = graphshard.shard(OddMLP()).to(torch.float64)
+        state = shard_state(model)
+        for entry in state.params:
+            assert entry.shard.dtype == torch.float64 and entry.shard.shape[0] == \
+                -(-entry.full_shape[0] // 2)
+        assert model.layers[0]._parameters["weight"] is state.params[0].shard
+        assert model.layers[0].weight.shape == (29, 13)  # reads still unshard
+
+
+def test_to_with_new_parameter_objects_repoints_the_shards_and_keeps_ties():
+    from graphshard.models.llama import Llama, llama_config
+
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with fake_process_group(2):
+            model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=True)))
+            before = [e.shard for e in shard_state(model).params]
+            model.double()
+            entries = shard_state(model).params
+            assert all(e.shard is not old for e, old in zip(entries, before, strict=True))
+            assert model.tok_embeddings._parameters["weight"] is \
+                model.output._parameters["weight"]
+            by_name = dict(model.named_parameters(remove_duplicate=False))
+            for entry in entries:
+                for name in entry.names:
+                    assert by_name[name] is entry.shard and entry.shard.dtype == torch.float64
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+def test_load_state_dict_with_full_tensors_points_to_load_full_state_dict():
+    with fake_process_group(2):
+        full = OddMLP().state_dict()
+        model = graphshard.shard(OddMLP())
+        with pytest.raises(graphshard.ShardedModelError,
+                           match=r"full tensor \(29, 13\) for 'layers.0.weight'.*"
+                                 r"graphshard.load_full_state_dict"):
+            model.load_state_dict(full)
+        model.load_state_dict(model.state_dict())  # its own (sharded) state dict still loads
+
+
+def test_load_full_state_dict_names_mismatches_before_writing():
+    with fake_process_group(2):
+        model = graphshard.shard(OddMLP())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        bad = OddMLP((13, 30, 7, 3)).state_dict()
+        bad["extra.weight"] = bad.pop("layers.4.bias")
+        with pytest.raises(graphshard.StateDictMismatchError) as info:
+            graphshard.load_full_state_dict(model, bad)
+        msg = str(info.value)
+        assert "missing from the state (1): layers.4.bias" in msg
+        assert "not in the model (1): extra.weight" in msg
+        assert "layers.0.weight: state (30, 13) vs model (29, 13)" in msg
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        # a subset loads with strict=False: only those rows change
+        part = {"layers.0.bias": torch.arange(29.0)}
+        graphshard.load_full_state_dict(model, part, strict=False)
+        assert torch.equal(model.layers[0]._parameters["bias"], torch.arange(15.0))
+
+
+def test_latest_checkpoint_skips_incomplete_saves(tmp_path: Path):
+    for name, committed in [("step_00000002", True), ("step_00000009", False),
+                            (".tmp-step_00000011", True), ("step_00000004", True)]:
+        (tmp_path / name).mkdir()
+        if committed:
+            (tmp_path / name / COMMIT_MARKER).write_text("{}")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    # a replaced step whose replacement never landed is still found
+    (tmp_path / "step_00000004").rename(tmp_path / ".old-step_00000004")
+    assert latest_checkpoint(tmp_path) == tmp_path / ".old-step_00000004"
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+    with pytest.raises(FileNotFoundError, match="no COMMITTED marker"):
+        graphshard.load_checkpoint(tmp_path / "step_00000009", nn.Linear(1, 1))
