@@ -20,6 +20,7 @@ import argparse
 import math
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -102,11 +103,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="after training, torch.save the full (unsharded) state dict here from rank 0",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save sharded checkpoints (model, optimizer, LR schedule) under this directory: "
+        "every --checkpoint-every steps and after the last step",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+    )
+    parser.add_argument(
+        "--keep-last", type=int, default=2, help="checkpoints kept in --checkpoint-dir"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --checkpoint-dir (at any world "
+        "size); start fresh when there is none",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="process-group timeout: a rank that died or hung makes the others fail after this "
+        "long instead of waiting forever (long enough for the first compile and a checkpoint)",
+    )
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    return args
 
 
-def init_distributed(device: str) -> tuple[int, int, torch.device]:
-    """Initialise the default process group (also without torchrun); return rank, world, device."""
+def init_distributed(
+    device: str, timeout_s: float = 300.0
+) -> tuple[int, int, torch.device]:
+    """Initialise the default process group (also without torchrun); return rank, world, device.
+
+    ``timeout_s`` bounds how long a collective waits for a rank that died or hung."""
+    timeout = timedelta(seconds=timeout_s)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
@@ -118,16 +152,16 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
     else:
         dev = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), dev
 
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
-    rank, world_size, device = init_distributed(args.device)
+    rank, world_size, device = init_distributed(args.device, args.timeout_s)
     try:
         return train(args, rank, world_size, device)
     finally:
@@ -161,6 +195,28 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
     )
     data = SyntheticTokens(cfg.vocab_size, args.seed, used=args.data_vocab, noise=args.noise)
+    first_step = 0
+    if args.resume:
+        found = graphshard.latest_checkpoint(args.checkpoint_dir)
+        if found is None:
+            if rank == 0:
+                print(f"no checkpoint in {args.checkpoint_dir}: starting fresh", flush=True)
+        else:
+            info = graphshard.load_checkpoint(found, model, optimizer)
+            scheduler.load_state_dict(info.extra["scheduler"])
+            first_step = info.step
+            if rank == 0:
+                print(f"resumed from {info.path} (step {info.step}, saved by "
+                      f"{info.world_size} rank(s))", flush=True)
+
+    def save(step: int) -> None:
+        path = graphshard.save_checkpoint(
+            args.checkpoint_dir, model, optimizer, step=step,
+            extra={"scheduler": scheduler.state_dict(), "args": vars(args)},
+            keep_last=args.keep_last,
+        )
+        if rank == 0:
+            tqdm.write(f"saved checkpoint {path}")
 
     if rank == 0:
         mode = "eager" if args.eager else "compiled"
@@ -170,32 +226,48 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             f"{args.steps} steps (uniform-guess loss {math.log(cfg.vocab_size):.3f})",
             flush=True,
         )
-    bar = tqdm(range(args.steps), desc="train", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(range(first_step, args.steps), desc="train", disable=rank != 0,
+               dynamic_ncols=True, initial=first_step, total=args.steps)
     losses: list[float] = []
-    for step in bar:
-        tokens = data.batch(step, rank, args.batch_size, seq_len).to(device)
-        start = time.perf_counter()
-        loss = run(tokens).loss
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().float().clone()
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
-        losses.append(mean_loss.item() / world_size)  # .item() waits for the step to finish
-        step_time = time.perf_counter() - start
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{step_time:.3f}")
+    every = args.checkpoint_every
+    # A rank that raises tells the others why; a rank that dies or hangs fails them after
+    # --timeout-s, with an error that says so.
+    with graphshard.report_rank_failures():
+        for step in bar:
+            losses.append(train_step(run, optimizer, scheduler, data, step, rank, world_size,
+                                     args.batch_size, seq_len, device, bar))
+            done = step + 1
+            if args.checkpoint_dir and (done == args.steps or every and done % every == 0):
+                save(done)
     bar.close()
 
     if rank == 0 and losses:
         print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
     if args.save:
-        state = graphshard.full_state_dict(model)  # a collective: every rank takes part
+        # a collective: every rank takes part; only rank 0 holds the tensors, on the CPU
+        state = graphshard.full_state_dict(model, rank0_only=True, cpu_offload=True)
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-            torch.save({k: v.cpu() for k, v in state.items()}, args.save)
+            torch.save(state, args.save)
             print(f"saved the full state dict to {args.save}", flush=True)
     return losses[-1] if losses else float("nan")
+
+
+def train_step(run, optimizer, scheduler, data, step, rank, world_size, batch_size, seq_len,
+               device, bar) -> float:
+    """One optimizer step on this rank's batch; the loss averaged over the ranks."""
+    tokens = data.batch(step, rank, batch_size, seq_len).to(device)
+    start = time.perf_counter()
+    loss = run(tokens).loss
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    mean_loss = loss.detach().float().clone()
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
+    mean = mean_loss.item() / world_size  # .item() waits for the step to finish
+    bar.set_postfix(loss=f"{mean:.4f}", step_s=f"{time.perf_counter() - start:.3f}")
+    return mean
 
 
 if __name__ == "__main__":
