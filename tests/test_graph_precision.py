@@ -116,6 +116,11 @@ def test_hsdp_reduce_scatters_in_shard_group_then_all_reduces_across_replicas():
         rows = bucket_rows(stages["bw"], backend.plan.profile)
         kinds = [(r["kind"], r["world_size"]) for r in rows if r["kind"] != "all_gather"]
         assert kinds.count(("all_reduce", 2)) == 3 and kinds.count(("reduce_scatter", 2)) == 3
+        # Each all-reduce runs under compute: waited only after the next reduce-scatter.
+        order = {n: i for i, n in enumerate(stages["bw"].graph.nodes)}
+        for ar, next_rs in zip(all_reduces, reduces[1:]):  # noqa: B905
+            (wait,) = ar.users
+            assert order[wait] > order[next_rs]
         # Each all-reduce reduces what its reduce-scatter produced.
         for rs, ar in zip(reduces, all_reduces, strict=True):
             assert c10d.wait_tensor.default in {n.target for n in ar.all_input_nodes}
