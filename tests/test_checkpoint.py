@@ -295,3 +295,29 @@ def test_example_checkpoint_dir_and_resume(tmp_path, monkeypatch):
     resumed = main("--steps", "4", "--checkpoint-dir", ckpt, "--resume")
     assert resumed == straight  # same last loss, bit for bit
     assert graphshard.latest_checkpoint(ckpt).name == "step_00000004"
+
+
+def test_sharded_state_dict_on_a_2d_mesh_is_replicate_then_shard():
+    from graph_utils import fake_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from graphshard.models.mlp import OddMLP
+
+    with fake_process_group(4, rank=3):  # replica 1, shard 1 of a (2, 2) HSDP mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = graphshard.shard(OddMLP(), mesh)
+        sd = graphshard.sharded_state_dict(model)
+        weight = sd["layers.0.weight"]
+        assert weight.placements == (Replicate(), Shard(0))
+        assert weight.shape == (29, 13) and weight.to_local().shape == (14, 13)  # 15 + 14
+        assert sd["layers.4.weight"].to_local().shape == (1, 7)  # 2 + 1 rows of 3
+        opt = torch.optim.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        osd = graphshard.sharded_optim_state_dict(model, opt)
+        state = osd["state"]["layers.0.weight"]
+        assert state["exp_avg"].placements == (Replicate(), Shard(0))
+        assert state["exp_avg"].shape == (29, 13) and state["step"].shape == ()
+        assert osd["param_groups"][0]["params"][:2] == ["layers.0.weight", "layers.0.bias"]
