@@ -2,8 +2,9 @@
 
 Stages and their passes (each dumped before and after when a dump directory is set):
 - ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
-- ``joint``: ``assign_buckets`` (the ``size``/``auto`` strategies), ``reshard`` (tag markers
-  so the min-cut partitioner frees full parameters);
+- ``joint``: ``merge_reduce_grad`` (one reduction per parameter read under several markers,
+  e.g. inside and outside a checkpoint), ``assign_buckets`` (the ``size``/``auto`` strategies),
+  ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
 - ``fw``: ``lower_unshard``, ``prefetch``;
 - ``inference``: ``assign_buckets``, ``lower_unshard``, ``prefetch``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
@@ -36,6 +37,7 @@ from passes import (
     dedupe_unshard,
     lower_reduce_grad,
     lower_unshard,
+    merge_reduce_grad,
     overlap_reduce,
     prefetch,
     reshard,
@@ -47,7 +49,7 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard],
-    "joint": [assign_buckets, reshard],
+    "joint": [merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch],
     "inference": [assign_buckets, lower_unshard, prefetch],
     "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],

@@ -5,6 +5,12 @@ tagging the marker ``MUST_RECOMPUTE`` makes the min-cut partitioner save the sha
 and gather again in the backward. ``MUST_SAVE`` keeps it (ZeRO-2: no second gather, more
 memory). This runs before partitioning; the markers are lowered only afterwards, because the
 partitioner always saves plain collectives.
+
+Activation checkpointing: the partitioner saves a recomputable node whose user sits in a
+checkpointed region with a higher ``ac_graph_id`` (the boundary between two regions). A
+marker read inside a checkpointed region from outside it (a tied weight, or a weight passed
+into ``checkpoint``) would so be saved whole. Markers get an ``ac_graph_id`` above every
+region's, so they are recomputed (gathered again) like any other.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     the start of the backward, so it is kept unless ``plan.reshard_last_bucket``.
     """
     last = None if plan.reshard_last_bucket else _last_bucket(gm)
+    regions = [n.meta["ac_graph_id"] for n in gm.graph.nodes if "ac_graph_id" in n.meta]
+    above = 1 + max(regions, default=0)
     for node in gm.graph.nodes:
         if is_unshard(node):
             args = marker_args(node)
@@ -39,5 +47,5 @@ def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             node.meta["recompute"] = (
                 CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
             )
-            node.meta.setdefault("ac_graph_id", 0)
+            node.meta["ac_graph_id"] = above
     return gm

@@ -80,9 +80,39 @@ class TiedAcross(nn.Module):
         return F.cross_entropy(self.head(x), targets)
 
 
+def frozen_tied() -> nn.Module:
+    """The tied model with a bucket (blocks.0) that mixes frozen and trainable parameters."""
+    model = TiedAcross()
+    model.blocks[0].up.requires_grad_(False)
+    return model
+
+
 def tied_shard(model: nn.Module) -> None:
     # head's bucket owns the tied weight; the embedding that reads it is in the rest bucket.
     graphshard.shard(model, buckets=[model.head, model.blocks[0], model.blocks[1]])
+
+
+class CheckpointTied(nn.Module):
+    """Checkpointed code that reads a block's weights twice and the output head tied to the
+    embedding outside it: several markers per shard (Dynamo's dedupe cannot see into the
+    checkpoint body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def _tail(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[1](self.blocks[1](x))
+        return self.head(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.emb(tokens))
+        x = checkpoint(F.linear, x, self.blocks[0].up.weight[:8], use_reentrant=False)
+        logits = checkpoint(self._tail, x, use_reentrant=False)
+        return F.cross_entropy(logits, targets)
 
 
 class BatchNormNet(nn.Module):
@@ -131,10 +161,9 @@ class FeatureCase:
 
 
 CASES: dict[str, FeatureCase] = {
-    "frozen_mixed": FeatureCase(frozen_mixed, _regression),
-    "tied_across": FeatureCase(TiedAcross, _tokens, shard=tied_shard),
+    "frozen_tied": FeatureCase(frozen_tied, _tokens, shard=tied_shard),
     "batchnorm_eval": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP),
-    "checkpoint": FeatureCase(lambda: Blocks(ckpt=True), _regression),
+    "checkpoint_tied": FeatureCase(CheckpointTied, _tokens),
     # Batch 4, then 6 (recompiles with a dynamic batch dimension), then 8 (reuses it).
     "breaks_reshape": FeatureCase(Breaks, _regression, rows=lambda step: (4, 4, 6, 6, 8)[step]),
 }

@@ -394,8 +394,9 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "fw_01_lower_unshard.txt",
         "fw_02_prefetch.txt",
         "joint_00_input.txt",
-        "joint_01_assign_buckets.txt",
-        "joint_02_reshard.txt",
+        "joint_01_merge_reduce_grad.txt",
+        "joint_02_assign_buckets.txt",
+        "joint_03_reshard.txt",
     ]
     assert "graphshard.unshard" in (graph_dir / "fw_00_input.txt").read_text()
     assert "all_gather_into_tensor" in (graph_dir / "fw_01_lower_unshard.txt").read_text()
