@@ -15,6 +15,7 @@ gathers something is compiled, whose collectives are the cost.
 from __future__ import annotations
 
 import math
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class _Break:
     reason: str
     where: str
     gathered: dict[str, int]  # parameter name -> unsharded bytes, before the break
+    frame: traceback.FrameSummary | None = None  # the user's line that broke the graph
 
 
 def _first_line(reason: str) -> str:
@@ -177,13 +179,18 @@ class GraphBreakTracker:
         cost = None
         if self.pending is not None and gathered:
             cost = break_cost(self.pending.gathered, stages, profile)
-            warnings.warn(_message(self.pending, cost, profile), GraphBreakWarning, stacklevel=2)
+            message, frame = _message(self.pending, cost, profile), self.pending.frame
+            if frame is not None and frame.lineno is not None:  # attributed to the user's line
+                warnings.warn_explicit(message, GraphBreakWarning, frame.filename, frame.lineno)
+            else:
+                warnings.warn(message, GraphBreakWarning, stacklevel=2)
             self.pending = None
         elif self.pending is not None:
             self.pending.gathered.update(gathered)  # nothing gathered yet: wait for the next
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is not None and getattr(reason, "graph_break", False) and gathered:
-            self.pending = _Break(_first_line(reason.reason), _where(reason), gathered)
+            stack = getattr(reason, "user_stack", None) or [None]
+            self.pending = _Break(_first_line(reason.reason), _where(reason), gathered, stack[-1])
         return cost
 
 

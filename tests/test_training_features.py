@@ -214,6 +214,7 @@ def test_graph_break_warns_with_reason_location_and_cost(fake2):
     message = str(warning.message)
     assert "parity_features.py" in message and 'print("", end="")' in message
     assert "builtin operator `print`" in message
+    assert warning.filename.endswith("parity_features.py")  # shown at the user's line
     after = next(g["fw"] for g in graphs[1:] if "fw" in g and calls(g["fw"], AG))
     first = calls(after, AG)[0].meta["val"]
     nbytes = first.numel() * first.element_size()
