@@ -60,7 +60,7 @@ def stable_repr(value: Any) -> str | None:
         parts = [stable_repr(v) for v in value]
         return None if None in parts else "[" + ", ".join(parts) + "]"  # type: ignore[arg-type]
     if isinstance(value, Mapping):
-        parts = [f"{k!r}: {stable_repr(v)}" for k, v in value.items()]
+        parts = [f"{k!r}: {r}" for k, v in value.items() if (r := stable_repr(v)) is not None]
         return "{" + ", ".join(parts) + "}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         inner = [
@@ -210,18 +210,24 @@ def check_compile_plan(gm: fx.GraphModule, plan: Any) -> None:
     markers = [n for n in gm.graph.nodes if is_unshard(n)]
     if not markers:
         return
-    group_name = marker_args(markers[0]).group_name
-    fp = graph_fingerprint(gm, plan)
-    key = (group_name, _digest(fp))
-    if key in _compared:
+    if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    compare_across_ranks(
-        fp, _resolve_process_group(group_name), "compiled plan",
-        "Every rank must compile the same model with the same graphshard.backend(...) "
-        "options (prefetch_depth, bucketing, bucket_bytes, profile, ...).",
-    )
-    _compared.add(key)
+    # the shard group, and for HSDP the replica group: every group the graph talks over
+    names = [
+        value
+        for key, value in marker_args(markers[0])._asdict().items()
+        if "group" in key and isinstance(value, str) and value
+    ]
+    fp = graph_fingerprint(gm, plan)
+    digest = _digest(fp)
+    for group_name in dict.fromkeys(names):
+        if (group_name, digest) in _compared:
+            continue
+        compare_across_ranks(
+            fp, _resolve_process_group(group_name), "compiled plan",
+            "Every rank must compile the same model with the same graphshard.backend(...) "
+            "options (prefetch_depth, bucketing, bucket_bytes, profile, ...).",
+        )
+        _compared.add((group_name, digest))
