@@ -188,7 +188,9 @@ class GraphBreakTracker:
         elif self.pending is not None:
             self.pending.gathered.update(gathered)  # nothing gathered yet: wait for the next
         reason = getattr(gm, "compile_subgraph_reason", None)
-        if reason is not None and getattr(reason, "graph_break", False) and gathered:
+        if reason is None or not getattr(reason, "graph_break", False):
+            self.pending = None  # the frame returned: a break before it cost nothing more
+        elif gathered:
             stack = getattr(reason, "user_stack", None) or [None]
             self.pending = _Break(_first_line(reason.reason), _where(reason), gathered, stack[-1])
         return cost
