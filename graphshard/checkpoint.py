@@ -134,7 +134,9 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 def _flat_state(module: nn.Module, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """The DCP state dict (``model/<name>``, ``optim/<name>/<key>``) and the metadata that
     goes into ``graphshard.pt`` (param groups, which optimizer entries are sharded)."""
-    flat: dict[str, Any] = {_MODEL + k: v for k, v in sharded_state_dict(module).items()}
+    flat: dict[str, Any] = {
+        _MODEL + k: v for k, v in sharded_state_dict(module).items() if isinstance(v, torch.Tensor)
+    }
     meta: dict[str, Any] = {"optimizer": optimizer is not None}
     if optimizer is not None:
         osd = sharded_optim_state_dict(module, optimizer)

@@ -281,13 +281,8 @@ def full_state_dict(
 def _check_full(root, state, sd: Mapping[str, Any], strict: bool) -> None:
     expected = {k: tuple(e.full_shape) for k, e in _param_names(state).items()}
     expected.update({k: tuple(v.shape) for k, v in _buffers(root, state).items()})
+    # non-tensor entries (a module's ``get_extra_state()``) are not graphshard's to load
     found = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    not_tensors = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
-    if not_tensors:
-        raise StateDictMismatchError(
-            f"load_full_state_dict() takes tensors; these keys hold something else: "
-            f"{not_tensors[:20]}"
-        )
     if any(is_dtensor(v) for v in sd.values()):
         raise StateDictMismatchError(
             "load_full_state_dict() got DTensors: that is a sharded state dict; load it with "

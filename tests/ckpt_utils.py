@@ -119,7 +119,7 @@ def launch(
 def single_rank_group(directory: str) -> Iterator[None]:
     """A world-1 gloo process group in this process, destroyed on exit."""
     assert not dist.is_initialized(), "a process group is already initialised here"
-    store = dist.FileStore(os.path.join(directory, "single_rank_store"), 1)
+    store = dist.FileStore(tempfile.mktemp(prefix="store-", dir=directory), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
