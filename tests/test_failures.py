@@ -254,9 +254,12 @@ def test_to_with_new_parameter_objects_repoints_the_shards_and_keeps_ties():
         with fake_process_group(2):
             model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=True)))
             before = [e.shard for e in shard_state(model).params]
+            hooks = [dict(p._backward_hooks or {}) for p in before]
             model.double()
             entries = shard_state(model).params
             assert all(e.shard is not old for e, old in zip(entries, before, strict=True))
+            # gradient hooks graphshard put on the shards follow them to the new objects
+            assert [dict(e.shard._backward_hooks or {}) for e in entries] == hooks
             assert model.tok_embeddings._parameters["weight"] is \
                 model.output._parameters["weight"]
             by_name = dict(model.named_parameters(remove_duplicate=False))
