@@ -371,8 +371,9 @@ def load_checkpoint(
             md = saved[key]
             if kind == "sharded":
                 targets[key] = _empty_like_saved(md, params[fqn].full_shape, state, device)
-            elif kind == "scalar":
-                targets[key] = torch.empty((), dtype=md.properties.dtype, device=device)
+            elif kind == "scalar":  # ``step``: on the CPU, where optimizers keep it by
+                # default; load_state_dict moves it for capturable/fused ones
+                targets[key] = torch.empty((), dtype=md.properties.dtype)
     dcp.load(targets, checkpoint_id=str(path), process_group=process_group)
 
     model_sd = {
