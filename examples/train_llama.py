@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/train_llama.py --model tiny --steps 5
     torchrun --nproc-per-node 8 examples/train_llama.py --device cuda   # NCCL, one GPU a rank
     python examples/train_llama.py --model tiny                         # one process
+    torchrun --nproc-per-node 4 examples/train_llama.py --model tiny \
+        --mixed-precision bf16 --grad-accum 4 --replicas 2              # bf16, no_sync, HSDP
 
 Every rank builds the same model from the same seed, ``graphshard.shard`` keeps its own slice
 of every parameter, and ``torch.compile`` with the graphshard backend inserts the
@@ -17,6 +19,7 @@ a ``--noise`` fraction of tokens drawn at random instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -24,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import graphshard
@@ -122,6 +126,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "size); start fresh when there is none",
     )
     parser.add_argument(
+        "--mixed-precision",
+        choices=("none", "bf16", "fp16"),
+        default="none",
+        help="gather and compute in this dtype; gradients are reduced and the sharded weights "
+        "and optimizer state kept in fp32",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step; all but the last run under graphshard.no_sync "
+        "(no communication), the last reduces them all at once",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="HSDP: replicate the model this many times and shard it across world/replicas "
+        "ranks (gradients are reduce-scattered within a replica, all-reduced across them)",
+    )
+    parser.add_argument(
         "--timeout-s",
         type=float,
         default=300.0,
@@ -131,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.grad_accum < 1 or args.replicas < 1:
+        parser.error("--grad-accum and --replicas must be at least 1")
     return args
 
 
@@ -181,7 +208,16 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     torch.manual_seed(args.seed)
     model = Llama(cfg).to(device=device, dtype=dtype)
     n_params = model.num_params()
-    graphshard.shard(model)
+    mesh = None
+    if args.replicas > 1:
+        if world_size % args.replicas:
+            raise SystemExit(f"--replicas {args.replicas} does not divide {world_size} ranks")
+        mesh = init_device_mesh(device.type, (args.replicas, world_size // args.replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    policy = None if low is None else graphshard.MixedPrecision(
+        param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    graphshard.shard(model, mesh, mixed_precision=policy)
     if args.eager:
         run = model
     else:
@@ -234,8 +270,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     # --timeout-s, with an error that says so.
     with graphshard.report_rank_failures():
         for step in bar:
-            losses.append(train_step(run, optimizer, scheduler, data, step, rank, world_size,
-                                     args.batch_size, seq_len, device, bar))
+            losses.append(train_step(run, model, optimizer, scheduler, data, step, rank,
+                                     world_size, args, seq_len, device, bar))
             done = step + 1
             if args.checkpoint_dir and (done == args.steps or every and done % every == 0):
                 save(done)
@@ -253,13 +289,20 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     return losses[-1] if losses else float("nan")
 
 
-def train_step(run, optimizer, scheduler, data, step, rank, world_size, batch_size, seq_len,
+def train_step(run, model, optimizer, scheduler, data, step, rank, world_size, args, seq_len,
                device, bar) -> float:
-    """One optimizer step on this rank's batch; the loss averaged over the ranks."""
-    tokens = data.batch(step, rank, batch_size, seq_len).to(device)
+    """One optimizer step on this rank's ``--grad-accum`` micro-batches; the loss averaged
+    over micro-batches and ranks."""
     start = time.perf_counter()
-    loss = run(tokens).loss
-    loss.backward()
+    micro = args.grad_accum
+    loss = torch.zeros((), device=device)
+    for m in range(micro):
+        tokens = data.batch(step * micro + m, rank, args.batch_size, seq_len).to(device)
+        last = m == micro - 1
+        with contextlib.nullcontext() if last else graphshard.no_sync(model):
+            micro_loss = run(tokens).loss / micro
+            micro_loss.backward()
+        loss += micro_loss.detach()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
