@@ -18,16 +18,14 @@ from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_
 from graphshard.graph_breaks import GraphBreakWarning
 from graphshard.guards import ShardedModelError
 from graphshard.mixed_precision import MixedPrecision
-from graphshard.sharding import shard
-from graphshard.state_dict import (
-    StateDictMismatchError,
-    full_state_dict,
-    load_full_state_dict,
+from graphshard.sharded_state import (
     load_sharded_optim_state_dict,
     load_sharded_state_dict,
     sharded_optim_state_dict,
     sharded_state_dict,
 )
+from graphshard.sharding import shard
+from graphshard.state_dict import StateDictMismatchError, full_state_dict, load_full_state_dict
 
 __all__ = [
     "shard",

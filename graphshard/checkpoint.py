@@ -37,6 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphshard.sharded_state import (
+    check_param_groups,
+    live_param_groups,
+    load_sharded_optim_state_dict,
+    load_sharded_state_dict,
+    optimizer_params,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
 from graphshard.sharding import shard_state
 from graphshard.state_dict import (
     StateDictMismatchError,
@@ -46,14 +55,7 @@ from graphshard.state_dict import (
     _root,
     _shard_coords,
     check_keys_and_shapes,
-    check_param_groups,
     is_dtensor,
-    live_param_groups,
-    load_sharded_optim_state_dict,
-    load_sharded_state_dict,
-    optimizer_params,
-    sharded_optim_state_dict,
-    sharded_state_dict,
     valid_rows,
 )
 
