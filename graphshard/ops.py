@@ -8,8 +8,6 @@ markers with bucketed collectives doing the same arithmetic in the same order.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -79,25 +77,9 @@ def _unshard_setup(ctx, inputs, output):
     ctx.shard_dtype = inputs[0].dtype
 
 
-# Held-back gradients already folded into a reduction in this backward. Eagerly, a parameter
-# read twice (tied weights) has two markers whose backwards both see the pending gradient;
-# only the first may add it. (Compiled graphs merge the reads into one marker.)
-_folded: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def _fold_once(pending: torch.Tensor | None) -> torch.Tensor | None:
-    if pending is None or _folded.get(id(pending)) is pending:
-        return None
-    _folded[id(pending)] = pending
-    return pending
-
-
 def _unshard_backward(ctx, grad):
     """Where the gradient goes depends on ``sync``: the shard (reduced), or the accumulator."""
     m = ctx.marker
-    if m.sync == GradSync.FULL:
-        m = m._replace(pending_full=_fold_once(m.pending_full),
-                       pending_partial=_fold_once(m.pending_partial))
     reduce_dtype = m.reduce_dtype
     grads: list = [None] * len(m)
     if m.sync == GradSync.NONE:

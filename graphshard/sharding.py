@@ -41,6 +41,11 @@ class ShardedParam:
     # or the reduce-scattered partial (GradSync.PARTIAL). Their ``.grad`` is what is pending.
     unreduced: torch.Tensor | None = None
     partial: torch.Tensor | None = None
+    # (full, partial) held-back gradients the next read folds in: armed by the root's
+    # forward pre-hook, taken by the first read of the forward (so a parameter read in two
+    # graphs or twice eagerly adds them once); ``folding`` until its backward has run.
+    armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+    folding: bool = False
 
 
 @dataclass
@@ -177,9 +182,12 @@ def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int)
         return UNSHARD(shard, *spec, sync, entry.unreduced)
     if sync == GradSync.PARTIAL:
         return UNSHARD(shard, *spec, sync, entry.partial)
-    pending_full = None if entry.unreduced is None else entry.unreduced.grad
-    pending_partial = None if entry.partial is None else entry.partial.grad
-    return UNSHARD(shard, *spec, sync, None, pending_full, pending_partial)
+    armed = entry.armed
+    if armed is None:
+        return UNSHARD(shard, *spec, sync)
+    entry.armed = None  # this read folds the held-back gradient in; later reads must not
+    entry.folding = True
+    return UNSHARD(shard, *spec, sync, None, *armed)
 
 
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
@@ -298,6 +306,7 @@ def shard(
     for entry in state.params:
         if entry.shard.requires_grad:
             entry.shard.register_hook(_pending_consumed(entry))
+    module.register_forward_pre_hook(_arm_pending(state))
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     setattr(module, _STATE_ATTR, state)
@@ -305,13 +314,28 @@ def shard(
     return module
 
 
+def _arm_pending(state: ShardState):
+    """Before each forward, arm what no_sync held back for the first read of each parameter
+    (re-armed every forward: a forward without a backward loses nothing)."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        for entry in state.params:
+            full = None if entry.unreduced is None else entry.unreduced.grad
+            part = None if entry.partial is None else entry.partial.grad
+            synced = state.sync == GradSync.FULL
+            entry.armed = None if not synced or (full is None and part is None) else (full, part)
+
+    return hook
+
+
 def _pending_consumed(entry: ShardedParam):
-    """Once the shard receives a reduced gradient, what no_sync held back has been folded
-    into it: drop it. (A backward that held its gradient back hands the shard None.)"""
+    """Once the shard receives a reduced gradient that folded in what no_sync held back,
+    drop it. (A backward that held its gradient back hands the shard None.)"""
 
     def hook(grad: torch.Tensor | None) -> None:
-        if grad is None:
+        if grad is None or not entry.folding:
             return
+        entry.folding = False
         for leaf in (entry.unreduced, entry.partial):
             if leaf is not None:
                 leaf.grad = None

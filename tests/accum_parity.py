@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 
+import parity
 import torch
 import torch.distributed as dist
-from parity import CASES, batch, build
+from parity import Case
 from torch import nn
 
 import graphshard
+from graphshard.models.mlp import MLPOutput
 
 STEPS, MICRO = 2, 4
 LR = 0.05
@@ -42,8 +44,34 @@ def _mesh(kind: str, world_size: int):
     return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
 
 
+class RereadAcrossBreak(nn.Module):
+    """Reads ``inner`` on both sides of a graph break: compiled, two graphs each reduce a
+    gradient for it, and what no_sync held back must be folded into only one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(13, 13)
+        self.mid = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x, y):
+        x = torch.tanh(self.inner(x))
+        torch._dynamo.graph_break()
+        x = self.out(torch.tanh(self.inner(torch.tanh(self.mid(x)))))
+        return MLPOutput(torch.nn.functional.mse_loss(x, y), x)
+
+
+CASES = {**parity.CASES, "reread_break": Case(RereadAcrossBreak, parity.CASES["mlp_odd"].batch)}
+
+
+def build(case: str) -> nn.Module:
+    torch.manual_seed(1234)
+    return CASES[case].build()
+
+
 def _micro_batch(case: str, step: int, micro: int, rank: int) -> tuple:
-    return batch(case, step * MICRO + micro, rank)
+    gen = torch.Generator().manual_seed(1000 * (step * MICRO + micro) + rank)
+    return CASES[case].batch(gen)
 
 
 def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, mesh: str,

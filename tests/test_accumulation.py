@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from accum_parity import run_jobs, train_reference, update_error
+from accum_parity import build, run_jobs, train_reference, update_error
 from dist_utils import run_ranks
-from parity import assert_matches, build
+from parity import assert_matches
 
 # (case, mode, accum, mesh, precision)
 WORLD2_JOBS = [
     ("mlp_odd", "eager", "no_sync", "1d", "fp32"),
     ("llama_tied", "eager", "no_sync", "1d", "fp32"),  # a tied weight is read twice eagerly
+    ("reread_break", "compiled", "no_sync", "1d", "fp32"),  # one weight read in two graphs
     ("mlp_odd", "compiled", "no_sync", "1d", "fp32"),
     ("mlp_odd", "eager", "sync", "1d", "fp32"),
     ("mlp_odd", "compiled", "sync", "1d", "fp32"),
