@@ -190,6 +190,7 @@ def save_checkpoint(
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    _refuse_held_back_gradients(module)
     root = Path(directory)
     final = root / _step_name(step)
     tmp = root / f".tmp-{final.name}"
@@ -216,6 +217,19 @@ def save_checkpoint(
     if error[0] is not None:
         raise RuntimeError(f"Committing checkpoint {final} failed on rank 0: {error[0]}")
     return final
+
+
+def _refuse_held_back_gradients(module: nn.Module) -> None:
+    """A checkpoint holds parameters and optimizer state, not gradients: saving inside a
+    no_sync accumulation window would silently drop the micro-batches held back so far."""
+    held = [e.names[0] for e in shard_state(module).params
+            for leaf in (e.unreduced, e.partial) if leaf is not None and leaf.grad is not None]
+    if held:
+        raise RuntimeError(
+            f"Gradients of {len(held)} parameter(s) (e.g. {held[0]!r}) are held back by "
+            "graphshard.no_sync and would not be in the checkpoint. Save after the synced "
+            "backward and optimizer.step() that end the accumulation window."
+        )
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict, extra: Any,

@@ -321,3 +321,17 @@ def test_sharded_state_dict_on_a_2d_mesh_is_replicate_then_shard():
         assert state["exp_avg"].placements == (Replicate(), Shard(0))
         assert state["exp_avg"].shape == (29, 13) and state["step"].shape == ()
         assert osd["param_groups"][0]["params"][:2] == ["layers.0.weight", "layers.0.bias"]
+
+
+def test_save_inside_a_no_sync_window_is_refused(tmp_path):
+    from graph_utils import fake_process_group
+
+    from graphshard.models.mlp import OddMLP
+
+    with fake_process_group(2):
+        model = graphshard.shard(OddMLP())
+        with graphshard.no_sync(model):
+            model(torch.randn(4, 13), torch.randn(4, 3)).loss.backward()
+        with pytest.raises(RuntimeError, match="held back by graphshard.no_sync"):
+            graphshard.save_checkpoint(tmp_path, model, step=1)
+        assert not any(tmp_path.iterdir())  # nothing written
