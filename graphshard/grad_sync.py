@@ -60,13 +60,29 @@ def _set_mode(state: ShardState, mode: int) -> None:
     for entry in state.params:
         if not entry.shard.requires_grad:
             continue
-        device = entry.shard.device
-        if mode == GradSync.NONE and entry.unreduced is None:
-            entry.unreduced = _stub_leaf(entry.full_shape, _accum_dtype(state, entry), device)
-        if mode == GradSync.PARTIAL and entry.partial is None:
+        device, dtype = entry.shard.device, _accum_dtype(state, entry)
+        if mode == GradSync.NONE and not _usable(entry.unreduced, device, dtype, entry):
+            entry.unreduced = _stub_leaf(entry.full_shape, dtype, device)
+        if mode == GradSync.PARTIAL and not _usable(entry.partial, device, dtype, entry):
             shape = shard_shape(entry.full_shape, state.world_size)
-            entry.partial = _stub_leaf(shape, _accum_dtype(state, entry), device)
+            entry.partial = _stub_leaf(shape, dtype, device)
     state.sync = mode
+
+
+def _usable(leaf: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+            entry: ShardedParam) -> bool:
+    """Whether an accumulator still fits its shard (``.to()`` may have moved the model)."""
+    if leaf is None:
+        return False
+    if leaf.device == device and leaf.dtype == dtype:
+        return True
+    if leaf.grad is not None:
+        raise RuntimeError(
+            f"{entry.names[0]!r} moved to {device}/{dtype} while no_sync held back gradients "
+            f"on {leaf.device}/{leaf.dtype}: move the model between accumulation windows "
+            "(after the synced backward)."
+        )
+    return False
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

@@ -184,3 +184,21 @@ def test_inputs_cast_to_param_dtype_and_outputs_to_output_dtype(compiled):
         assert out.dtype == torch.float64
         out.sum().backward()
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_no_sync_after_a_dtype_change_uses_fresh_accumulators():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = graphshard.shard(TwoBlock())
+        with graphshard.no_sync(model):
+            model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 8)).sum().backward()  # folds in and drops the held-back grads
+        model.double()
+        with graphshard.no_sync(model):
+            model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+        state = graphshard.sharding.shard_state(model)
+        assert all(e.unreduced.grad.dtype == torch.float64 for e in state.params)
+        model.float()  # with gradients held back: refused, not silently mixed
+        with pytest.raises(RuntimeError, match="move the model between accumulation"):
+            with graphshard.no_sync(model):
+                pass
