@@ -9,7 +9,7 @@ from passes.dedupe import dedupe_unshard
 from passes.lower_reduce_grad import lower_reduce_grad
 from passes.lower_unshard import lower_unshard
 from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard, shard_shape
-from passes.merge_grads import merge_reduce_grad
+from passes.merge_reduce_grad import merge_reduce_grad
 from passes.overlap_reduce import overlap_reduce
 from passes.plan import Bucket, Plan, collect_buckets
 from passes.prefetch import prefetch

@@ -202,3 +202,22 @@ def test_no_sync_after_a_dtype_change_uses_fresh_accumulators():
         with pytest.raises(RuntimeError, match="move the model between accumulation"):
             with graphshard.no_sync(model):
                 pass
+
+
+def test_merged_reads_keep_the_held_back_gradient_of_any_read():
+    """Only one read of a parameter carries what no_sync held back; merging the reads' two
+    reductions must keep it whichever read it was."""
+    from torch import fx
+
+    from passes import Plan, merge_reduce_grad
+    from passes.markers import REDUCE_GRAD, is_reduce_grad, marker_args
+
+    graph = fx.Graph()
+    first, second, held = (graph.placeholder(n) for n in ("grad_a", "grad_b", "held"))
+    carrying = graph.call_function(
+        REDUCE_GRAD, (first, 0, "w", 2, "G", None, None, "", 1, True, held, None))
+    plain = graph.call_function(REDUCE_GRAD, (second, 0, "w", 2, "G"))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (carrying, plain)))
+    gm = merge_reduce_grad(fx.GraphModule({}, graph), Plan())
+    (merged,) = [n for n in gm.graph.nodes if is_reduce_grad(n)]
+    assert marker_args(merged).pending_full is held

@@ -48,6 +48,19 @@ def _sum_tree(markers: list[fx.Node]) -> list[fx.Node] | None:
     return sorted(tree - set(markers), key=order.__getitem__)
 
 
+def _merged_args(markers: list[fx.Node], total: fx.Node):
+    """The last marker's arguments on the summed gradient, keeping what ``no_sync`` held
+    back: only one read of a parameter carries it, not necessarily the last."""
+    args = [marker_args(m) for m in markers]
+    pending_full = next((a.pending_full for a in args if a.pending_full is not None), None)
+    pending_partial = next(
+        (a.pending_partial for a in args if a.pending_partial is not None), None
+    )
+    return args[-1]._replace(
+        grad=total, pending_full=pending_full, pending_partial=pending_partial
+    )
+
+
 def merge_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace several ``reduce_grad`` of one parameter, summed, by one on the summed grads."""
     by_name: dict[str, list[fx.Node]] = {}
@@ -67,7 +80,7 @@ def merge_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             total = marker_args(markers[0]).grad
             for marker in markers[1:]:
                 total = make(torch.ops.aten.add.Tensor, total, marker_args(marker).grad)
-            merged = make(REDUCE_GRAD, *marker_args(last)._replace(grad=total))
+            merged = make(REDUCE_GRAD, *_merged_args(markers, total))
         merged.meta.update({k: v for k, v in last.meta.items() if k != "val"})
         adds[-1].replace_all_uses_with(merged)
         for dead in [*reversed(adds), *markers]:  # users before what they use
