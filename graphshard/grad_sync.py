@@ -46,9 +46,11 @@ def _pending(state: ShardState, attr: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _set_mode(state: ShardState, mode: int) -> None:
+def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
     if mode == state.sync:
         return
+    if not state.folds_held_back:
+        _install_folding(getattr(model, "_orig_mod", model), state)
     clash = {GradSync.NONE: "partial", GradSync.PARTIAL: "unreduced"}.get(mode)
     if clash is not None and _pending(state, clash):
         held = "reduce-scattered partial" if clash == "partial" else "unreduced full"
@@ -85,11 +87,51 @@ def _usable(leaf: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
     return False
 
 
+def _install_folding(root: nn.Module, state: ShardState) -> None:
+    """On the first use of no_sync (never before: a model that does not accumulate pays
+    nothing per forward): arm held-back gradients before each forward, drop them once a
+    backward has folded them in."""
+    for entry in state.params:
+        if entry.shard.requires_grad:
+            entry.shard.register_hook(_drop_when_folded(entry))
+    root.register_forward_pre_hook(_arm_held_back(state))
+    state.folds_held_back = True
+
+
+def _arm_held_back(state: ShardState):
+    """Before each forward, arm what no_sync held back for the first read of each parameter
+    (re-armed every forward: a forward without a backward loses nothing)."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        synced = state.sync == GradSync.FULL
+        for entry in state.params:
+            full = None if entry.unreduced is None else entry.unreduced.grad
+            part = None if entry.partial is None else entry.partial.grad
+            entry.armed = None if not synced or (full is None and part is None) else (full, part)
+
+    return hook
+
+
+def _drop_when_folded(entry: ShardedParam):
+    """Once the shard receives a reduced gradient that folded in what no_sync held back,
+    drop it. (A backward that held its gradient back hands the shard None.)"""
+
+    def hook(grad: torch.Tensor | None) -> None:
+        if grad is None or not entry.folding:
+            return
+        entry.folding = False
+        for leaf in (entry.unreduced, entry.partial):
+            if leaf is not None:
+                leaf.grad = None
+
+    return hook
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """Reduce gradients in the coming backwards (True, the default), or accumulate them
     unreduced (False) until a backward with it True reduces everything once."""
     state = shard_state(model)
-    _set_mode(state, GradSync.FULL if requires_gradient_sync else GradSync.NONE)
+    _set_mode(model, state, GradSync.FULL if requires_gradient_sync else GradSync.NONE)
 
 
 def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
@@ -98,7 +140,7 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
     there is no all-reduce: gradients simply accumulate in ``.grad``."""
     state = shard_state(model)
     deferred = not requires_all_reduce and state.replica_size > 1
-    _set_mode(state, GradSync.PARTIAL if deferred else GradSync.FULL)
+    _set_mode(model, state, GradSync.PARTIAL if deferred else GradSync.FULL)
 
 
 @contextlib.contextmanager
@@ -128,4 +170,4 @@ def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]
     try:
         yield
     finally:
-        _set_mode(state, previous)
+        _set_mode(model, state, previous)

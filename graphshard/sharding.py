@@ -41,9 +41,9 @@ class ShardedParam:
     # or the reduce-scattered partial (GradSync.PARTIAL). Their ``.grad`` is what is pending.
     unreduced: torch.Tensor | None = None
     partial: torch.Tensor | None = None
-    # (full, partial) held-back gradients the next read folds in: armed by the root's
-    # forward pre-hook, taken by the first read of the forward (so a parameter read in two
-    # graphs or twice eagerly adds them once); ``folding`` until its backward has run.
+    # (full, partial) held-back gradients the next read folds in: armed before each forward
+    # (graphshard.grad_sync), taken by the first read of the forward (so a parameter read in
+    # two graphs or twice eagerly adds them once); ``folding`` until its backward has run.
     armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
     folding: bool = False
 
@@ -63,6 +63,7 @@ class ShardState:
     replica_size: int = 1
     mixed_precision: MixedPrecision | None = None
     sync: int = GradSync.FULL  # where this micro-batch's gradients go (see GradSync)
+    folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
 
     @property
     def group_name(self) -> str:
@@ -303,41 +304,8 @@ def shard(
         sub._graphshard_specs = specs
         sub._graphshard_root_state = state
         sub.__class__ = _sharded_class(type(sub), specs)
-    for entry in state.params:
-        if entry.shard.requires_grad:
-            entry.shard.register_hook(_pending_consumed(entry))
-    module.register_forward_pre_hook(_arm_pending(state))
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     setattr(module, _STATE_ATTR, state)
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
     return module
-
-
-def _arm_pending(state: ShardState):
-    """Before each forward, arm what no_sync held back for the first read of each parameter
-    (re-armed every forward: a forward without a backward loses nothing)."""
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        for entry in state.params:
-            full = None if entry.unreduced is None else entry.unreduced.grad
-            part = None if entry.partial is None else entry.partial.grad
-            synced = state.sync == GradSync.FULL
-            entry.armed = None if not synced or (full is None and part is None) else (full, part)
-
-    return hook
-
-
-def _pending_consumed(entry: ShardedParam):
-    """Once the shard receives a reduced gradient that folded in what no_sync held back,
-    drop it. (A backward that held its gradient back hands the shard None.)"""
-
-    def hook(grad: torch.Tensor | None) -> None:
-        if grad is None or not entry.folding:
-            return
-        entry.folding = False
-        for leaf in (entry.unreduced, entry.partial):
-            if leaf is not None:
-                leaf.grad = None
-
-    return hook
