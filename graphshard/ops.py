@@ -24,16 +24,21 @@ from passes.markers import (
 _c10d = torch.ops._c10d_functional
 
 
+def gather_full(shard: torch.Tensor, full_shape, world_size: int, group_name: str):
+    """The full tensor from every rank's padded dim-0 shard (a new tensor, padding cut)."""
+    dim0 = full_shape[0] if len(full_shape) else 1
+    if world_size == 1:
+        return shard.narrow(0, 0, dim0).reshape(full_shape).clone()
+    gathered = _c10d.wait_tensor(
+        _c10d.all_gather_into_tensor(shard.contiguous(), world_size, group_name)
+    )
+    return gathered.narrow(0, 0, dim0).reshape(full_shape).clone()
+
+
 def _unshard_eager(shard, full_shape, *args, **kwargs):
     m = UnshardArgs(shard, full_shape, *args, **kwargs)
     local = shard if m.param_dtype is None else shard.to(m.param_dtype)
-    if m.world_size == 1:
-        return local.reshape(full_shape).clone()
-    gathered = _c10d.wait_tensor(
-        _c10d.all_gather_into_tensor(local.contiguous(), m.world_size, m.group_name)
-    )
-    dim0 = full_shape[0] if len(full_shape) else 1
-    return gathered.narrow(0, 0, dim0).reshape(full_shape).clone()
+    return gather_full(local, full_shape, m.world_size, m.group_name)
 
 
 def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -> torch.Tensor:
@@ -99,4 +104,4 @@ torch.library.register_autograd(
     "graphshard::unshard", _unshard_backward, setup_context=_unshard_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD"]
+__all__ = ["UNSHARD", "REDUCE_GRAD", "gather_full"]

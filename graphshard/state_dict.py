@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphshard.ops import gather_full
 from graphshard.sharding import ShardedParam, ShardState, shard_state
 from passes.markers import shard_rows
 
@@ -225,14 +226,7 @@ def _buffers(root: nn.Module, state: ShardState) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _gather_full(entry: ShardedParam, state: ShardState) -> torch.Tensor:
-    shard = entry.shard.detach()
-    if state.world_size == 1:
-        full = shard
-    else:
-        out = shard.new_empty((shard.shape[0] * state.world_size, *shard.shape[1:]))
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=state.group)
-        full = out
-    return full.narrow(0, 0, _dim0(entry.full_shape)).reshape(entry.full_shape).clone()
+    return gather_full(entry.shard.detach(), entry.full_shape, state.world_size, state.group_name)
 
 
 @torch.no_grad()
