@@ -44,16 +44,10 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
     """Install the guards on a freshly sharded ``module`` and compare plans across ranks."""
     for param, name in originals:
         param._graphshard_replaced = name
-    entry_of = {id(e.shard): e for e in state.params}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
-        specs = sub.__dict__.get("_graphshard_specs")
-        if not specs or "_graphshard_entries" in sub.__dict__:
+        if not sub.__dict__.get("_graphshard_specs") or "_graphshard_prefix" in sub.__dict__:
             continue
-        prefix = f"{mod_name}." if mod_name else ""
-        sub.__dict__["_graphshard_entries"] = {
-            pname: entry_of[id(sub._parameters[pname])] for pname in specs
-        }
-        sub.__dict__["_graphshard_prefix"] = prefix
+        sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
     module.register_load_state_dict_pre_hook(_redirect_full_or_sharded)
     check_shard_plan(state)
@@ -95,7 +89,8 @@ def _guard_class(cls: type) -> None:
         super(cls, self).register_parameter(name, param)
 
     def _apply(self, fn, recurse: bool = True):
-        entries = self.__dict__.get("_graphshard_entries") or {}
+        specs = self.__dict__.get("_graphshard_specs") or {}
+        entries = {pname: entry for pname, (entry, _) in specs.items()}
         before = {pname: self._parameters[pname] for pname in entries}
         out = super(cls, self)._apply(fn, recurse)
         for pname, old in before.items():
