@@ -77,6 +77,9 @@ torch.library.register_kernel("graphshard::unshard", None, _unshard_eager)
 torch.library.register_kernel("graphshard::reduce_grad", None, _reduce_grad_eager)
 
 
+_ACCUM = UnshardArgs._fields.index("accum")  # the input a held-back gradient goes to
+
+
 def _unshard_setup(ctx, inputs, output):
     ctx.marker = UnshardArgs(*inputs)
     ctx.shard_dtype = inputs[0].dtype
@@ -88,7 +91,7 @@ def _unshard_backward(ctx, grad):
     reduce_dtype = m.reduce_dtype
     grads: list = [None] * len(m)
     if m.sync == GradSync.NONE:
-        grads[UnshardArgs._fields.index("accum")] = grad.to(m.accum.dtype)
+        grads[_ACCUM] = grad.to(m.accum.dtype)
         return tuple(grads)
     final = m.sync == GradSync.FULL
     reduced = REDUCE_GRAD(
@@ -96,7 +99,7 @@ def _unshard_backward(ctx, grad):
         ctx.shard_dtype if final else m.accum.dtype, m.replica_group, m.replica_size, final,
         m.pending_full, m.pending_partial,
     )  # fmt: skip
-    grads[0 if final else UnshardArgs._fields.index("accum")] = reduced
+    grads[0 if final else _ACCUM] = reduced
     return tuple(grads)
 
 
