@@ -18,31 +18,17 @@ from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_
 from graphshard.graph_breaks import GraphBreakWarning
 from graphshard.guards import ShardedModelError
 from graphshard.mixed_precision import MixedPrecision
-from graphshard.sharded_state import (
-    load_sharded_optim_state_dict,
-    load_sharded_state_dict,
-    sharded_optim_state_dict,
-    sharded_state_dict,
-)
 from graphshard.sharding import shard
-from graphshard.state_dict import StateDictMismatchError, full_state_dict, load_full_state_dict
 
 __all__ = [
     "shard",
     "backend",
     "GraphshardBackend",
-    "full_state_dict",
-    "load_full_state_dict",
-    "sharded_state_dict",
-    "load_sharded_state_dict",
-    "sharded_optim_state_dict",
-    "load_sharded_optim_state_dict",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
     "CheckpointInfo",
     "CheckpointMismatchError",
-    "StateDictMismatchError",
     "report_rank_failures",
     "RankFailureError",
     "PlanMismatchError",

@@ -18,8 +18,12 @@ on one file system). A rank killed at any moment leaves at worst a ``.tmp-`` dir
 the previous checkpoints untouched and loadable. Loading reads DCP's metadata first and
 checks every key and shape against the model (and optimizer) before it writes anything.
 
-Parameters are stored with their full (unpadded) shapes as ``Shard(0)`` DTensors, so a
-checkpoint saved at one world size loads at any other.
+The tensors are what torch's own ``get_model_state_dict`` / ``get_optimizer_state_dict``
+return for the sharded model: DTensors of the full shapes (``Shard(0)``), so a checkpoint
+saved at one world size loads at any other, and torch's ``set_model_state_dict`` /
+``set_optimizer_state_dict`` load them. What this module adds is what torch lacks: the
+atomic commit, ``keep_last``, ``latest_checkpoint``, and the check of every key and shape
+before anything is written.
 """
 
 from __future__ import annotations
@@ -36,28 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from graphshard.sharded_state import (
-    check_param_groups,
-    live_param_groups,
-    load_sharded_optim_state_dict,
-    load_sharded_state_dict,
-    optimizer_params,
-    sharded_optim_state_dict,
-    sharded_state_dict,
-)
-from graphshard.sharding import shard_state
-from graphshard.state_dict import (
-    StateDictMismatchError,
-    _buffers,
-    _dtensor,
-    _param_names,
-    _root,
-    _shard_coords,
-    check_keys_and_shapes,
-    is_dtensor,
-    valid_rows,
-)
+from graphshard.sharding import ShardState, shard_state
 
 __all__ = [
     "save_checkpoint",
@@ -70,15 +60,15 @@ __all__ = [
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "graphshard.pt"
-FORMAT = 1
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OLD_DIR = re.compile(r"^\.old-step_(\d+)$")
 _MODEL, _OPTIM = "model/", "optim/"
 
 
-class CheckpointMismatchError(StateDictMismatchError):
+class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model or optimizer it is loaded into (nothing was
-    written to them)."""
+    written to them): the message names every key that differs."""
 
 
 @dataclass(frozen=True)
@@ -133,25 +123,30 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[max(found)] if found else None
 
 
+def _root(module: nn.Module) -> nn.Module:
+    return getattr(module, "_orig_mod", module)
+
+
 def _flat_state(module: nn.Module, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The DCP state dict (``model/<name>``, ``optim/<name>/<key>``) and the metadata that
-    goes into ``graphshard.pt`` (param groups, which optimizer entries are sharded)."""
+    """The DCP state dict (``model/<name>``, ``optim/<name>/<key>``) from torch's
+    ``get_model_state_dict`` / ``get_optimizer_state_dict``, and the metadata that goes into
+    ``graphshard.pt`` (param groups, which optimizer entries are tensors)."""
+    root = _root(module)
     flat: dict[str, Any] = {
-        _MODEL + k: v for k, v in sharded_state_dict(module).items() if isinstance(v, torch.Tensor)
-    }
+        _MODEL + k: v for k, v in get_model_state_dict(root).items()
+        if isinstance(v, torch.Tensor)
+    }  # fmt: skip
     meta: dict[str, Any] = {"optimizer": optimizer is not None}
     if optimizer is not None:
-        osd = sharded_optim_state_dict(module, optimizer)
+        _check_optimizer_params(root, optimizer)
+        osd = get_optimizer_state_dict(root, optimizer)
         layout: dict[str, str] = {}
         objects: dict[str, Any] = {}
         for fqn, per in osd["state"].items():
             for key, value in per.items():
                 flat_key = f"{_OPTIM}{fqn}/{key}"
-                if is_dtensor(value):
-                    layout[flat_key] = "sharded"
-                    flat[flat_key] = value
-                elif isinstance(value, torch.Tensor):
-                    layout[flat_key] = "scalar"
+                if isinstance(value, torch.Tensor):
+                    layout[flat_key] = "tensor"
                     flat[flat_key] = value
                 else:
                     layout[flat_key] = "object"
@@ -283,26 +278,101 @@ def _shape(md) -> tuple[int, ...] | None:
     return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
 
 
+def _describe(problems: dict[str, list[str]], what: str, hint: str) -> str:
+    lines = [f"{what} does not fit the model:"]
+    for title, items in problems.items():
+        if items:
+            more = f" ... and {len(items) - 20} more" if len(items) > 20 else ""
+            lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + more)
+    lines.append(hint)
+    return "\n".join(lines)
+
+
+def check_keys_and_shapes(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], *, what: str,
+    hint: str,
+) -> None:
+    """Raise :class:`CheckpointMismatchError` naming missing, unexpected and mis-shaped keys."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    shapes = [
+        f"{k}: {what} {tuple(found[k])} vs model {tuple(v)}"
+        for k, v in expected.items()
+        if k in found and tuple(found[k]) != tuple(v)
+    ]
+    if missing or unexpected or shapes:
+        problems = {
+            f"missing from the {what}": missing,
+            "not in the model": unexpected,
+            "shape differs": shapes,
+        }
+        raise CheckpointMismatchError(_describe(problems, what, hint))
+
+
+def _param_fqns(state: ShardState, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The model name of each parameter in each of the optimizer's groups."""
+    name_of = {id(e.param): e.names[0] for e in state.params}
+    return [[name_of.get(id(p), "<not a parameter of this model>") for p in g["params"]]
+            for g in optimizer.param_groups]
+
+
+def _check_optimizer_params(root: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer steps is one of the sharded model's."""
+    state = shard_state(root)
+    ours = {id(e.param) for e in state.params}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) in ours:
+                continue
+            replaced = getattr(p, "_graphshard_replaced", None)
+            why = (
+                f"it is the unsharded parameter {replaced!r} from before graphshard.shard(): "
+                "build the optimizer after sharding, on model.parameters()"
+                if replaced else "it is not a parameter of this sharded model"
+            )  # fmt: skip
+            raise ValueError(
+                f"Optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
+                f"cannot be checkpointed with this model: {why}."
+            )
+
+
+def _check_param_groups(live: list[list[str]], saved: list[list[str]], hint: str) -> None:
+    if [list(g) for g in live] == [list(g) for g in saved]:
+        return
+    problems = []
+    if len(live) != len(saved):
+        problems.append(f"{len(saved)} param group(s) saved, the optimizer has {len(live)}")
+    for i, (a, b) in enumerate(zip(live, saved, strict=False)):
+        if a != b:
+            gone = [n for n in b if n not in a]
+            new = [n for n in a if n not in b]
+            detail = (f"saved only: {gone[:10]}; optimizer only: {new[:10]}" if gone or new
+                      else "same names, different order")
+            problems.append(f"param_groups[{i}]: {detail}")
+    raise CheckpointMismatchError(
+        "The optimizer's parameters do not match the saved optimizer state: "
+        + "; ".join(problems)
+        + ". Build the optimizer on the same parameters, in the same groups, as when saving. "
+        + hint
+    )
+
+
 def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> None:
     """Every key and shape of the model (and optimizer) against the checkpoint, before any
     write."""
-    state = shard_state(root_module)
     hint = (
         f"The checkpoint {path} was saved from a different model (saved at world size "
         f"{meta.get('world_size')}; world sizes may differ, names and shapes may not). "
         "Load it into the model it was saved from, or start without --resume."
     )
-    expected = {k: tuple(e.full_shape) for k, e in _param_names(state).items()}
-    expected.update({k: tuple(v.shape) for k, v in _buffers(root_module, state).items()})
+    expected = {k: tuple(v.shape) for k, v in root_module.state_dict().items()
+                if isinstance(v, torch.Tensor)}
     found = {
         k[len(_MODEL):]: (_shape(v) if _shape(v) is not None else ("<object>",))
         for k, v in saved.items()
         if k.startswith(_MODEL)
     }
-    try:
-        check_keys_and_shapes(expected, found, what="checkpoint", hint=hint)
-    except StateDictMismatchError as exc:
-        raise CheckpointMismatchError(str(exc)) from None
+    check_keys_and_shapes(expected, found, what="checkpoint", hint=hint)
     if optimizer is None:
         return
     if not meta.get("optimizer"):
@@ -310,22 +380,21 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
             f"The checkpoint {path} holds no optimizer state: load it with optimizer=None "
             "(and start the optimizer fresh)."
         )
-    params = optimizer_params(root_module, optimizer)
-    try:
-        check_param_groups(live_param_groups(optimizer, params),
-                           [g["params"] for g in meta["param_groups"]])
-    except StateDictMismatchError as exc:
-        raise CheckpointMismatchError(str(exc)) from None
-    full_shape = {op.fqn: tuple(op.entry.full_shape) for op in params}
+    _check_optimizer_params(root_module, optimizer)
+    state = shard_state(root_module)
+    _check_param_groups(_param_fqns(state, optimizer),
+                        [g["params"] for g in meta["param_groups"]], hint)
+    full_shape = {e.names[0]: tuple(e.full_shape) for e in state.params}
     bad = []
     for key, kind in meta["layout"].items():
         fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
+        shape = _shape(saved.get(key))
         if fqn not in full_shape:
             bad.append(f"{key}: not a parameter of the optimizer")
-        elif kind == "sharded" and _shape(saved.get(key)) != full_shape[fqn]:
-            bad.append(f"{key}: checkpoint {_shape(saved.get(key))} vs model {full_shape[fqn]}")
-        elif kind in ("sharded", "scalar") and key not in saved:
+        elif kind != "object" and shape is None:
             bad.append(f"{key}: missing from the checkpoint's tensors")
+        elif kind != "object" and shape not in (full_shape[fqn], ()):
+            bad.append(f"{key}: checkpoint {shape} vs model {full_shape[fqn]}")
     if bad:
         raise CheckpointMismatchError(
             "The checkpoint's optimizer state does not fit the model:\n  "
@@ -333,15 +402,13 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
         )
 
 
-def _empty_like_saved(md, full_shape, state, device):
-    rank, world = _shard_coords(state)
-    shape = torch.Size(full_shape)
-    if len(shape) == 0:
-        local = torch.empty((), dtype=md.properties.dtype, device=device)
-    else:
-        local = torch.empty((valid_rows(shape, world, rank), *shape[1:]),
-                            dtype=md.properties.dtype, device=device)
-    return _dtensor(local, shape, state)
+def _empty_like_saved(md, param: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor to read a saved entry into: laid out like ``param`` (a DTensor of the
+    same spec) for per-parameter state, a CPU scalar for ``step``."""
+    if len(md.size) == 0:  # ``step``: on the CPU, where optimizers keep it by default;
+        # loading moves it for capturable/fused ones
+        return torch.empty((), dtype=md.properties.dtype)
+    return torch.empty_like(param, dtype=md.properties.dtype)
 
 
 def load_checkpoint(
@@ -371,40 +438,27 @@ def load_checkpoint(
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _validate(root_module, optimizer, saved, meta, path)
 
-    device = next((e.shard.device for e in state.params), torch.device("cpu"))
-    names = _param_names(state)
-    targets: dict[str, Any] = {}
-    for entry in state.params:
-        key = _MODEL + entry.names[0]
-        targets[key] = _empty_like_saved(saved[key], entry.full_shape, state, device)
-    for name, buf in _buffers(root_module, state).items():
-        md = saved[_MODEL + name]
-        targets[_MODEL + name] = torch.empty_like(buf, dtype=md.properties.dtype)
+    live = {k: v for k, v in root_module.state_dict().items() if isinstance(v, torch.Tensor)}
+    targets: dict[str, Any] = {
+        _MODEL + name: torch.empty_like(value, dtype=saved[_MODEL + name].properties.dtype)
+        for name, value in live.items()
+    }  # fmt: skip
     if optimizer is not None:
-        params = {op.fqn: op.entry for op in optimizer_params(root_module, optimizer)}
+        param_of = {e.names[0]: e.param for e in state.params}
         for key, kind in meta["layout"].items():
-            fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
-            md = saved[key]
-            if kind == "sharded":
-                targets[key] = _empty_like_saved(md, params[fqn].full_shape, state, device)
-            elif kind == "scalar":  # ``step``: on the CPU, where optimizers keep it by
-                # default; load_state_dict moves it for capturable/fused ones
-                targets[key] = torch.empty((), dtype=md.properties.dtype)
+            if kind != "object":  # "tensor" (format 1: "sharded" or "scalar")
+                fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
+                targets[key] = _empty_like_saved(saved[key], param_of[fqn])
     dcp.load(targets, checkpoint_id=str(path), process_group=process_group)
 
-    model_sd = {
-        name: targets[_MODEL + entry.names[0]] for name, entry in names.items()
-    }
-    model_sd.update({n: targets[_MODEL + n] for n in _buffers(root_module, state)})
-    load_sharded_state_dict(root_module, model_sd)
+    set_model_state_dict(root_module, {name: targets[_MODEL + name] for name in live})
     if optimizer is not None:
         osd_state: dict[str, dict[str, Any]] = {}
         for key, kind in meta["layout"].items():
             fqn, sub = key[len(_OPTIM):].rsplit("/", 1)
             value = meta["objects"][key] if kind == "object" else targets[key]
             osd_state.setdefault(fqn, {})[sub] = value
-        load_sharded_optim_state_dict(
+        set_optimizer_state_dict(
             root_module, optimizer, {"state": osd_state, "param_groups": meta["param_groups"]}
         )
     return CheckpointInfo(path, int(meta["step"]), meta.get("extra"), int(meta["world_size"]))
-

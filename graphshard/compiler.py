@@ -2,11 +2,13 @@
 
 Stages and their passes (each dumped before and after when a dump directory is set):
 - ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
-- ``joint``: ``merge_reduce_grad`` (one reduction per parameter read under several markers,
-  e.g. inside and outside a checkpoint), ``assign_buckets`` (the ``size``/``auto`` strategies),
+- ``joint``: ``fold_views`` (markers read parameters and return gradients directly, not
+  through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
+  reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
+  ``assign_buckets`` (the ``size``/``auto`` strategies),
   ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
 - ``fw``: ``lower_unshard``, ``prefetch``;
-- ``inference``: ``assign_buckets``, ``lower_unshard``, ``prefetch``;
+- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
   ``overlap_reduce``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
@@ -35,6 +37,7 @@ from passes import (
     Plan,
     assign_buckets,
     dedupe_unshard,
+    fold_views,
     lower_reduce_grad,
     lower_unshard,
     merge_reduce_grad,
@@ -49,9 +52,9 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard],
-    "joint": [merge_reduce_grad, assign_buckets, reshard],
+    "joint": [fold_views, merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch],
-    "inference": [assign_buckets, lower_unshard, prefetch],
+    "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
     "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
 }
 

@@ -87,8 +87,8 @@ def shard_fingerprint(state: Any) -> dict[str, str]:
     }
     for entry in state.params:
         fp["parameter " + ", ".join(entry.names)] = (
-            f"shape={tuple(entry.full_shape)} dtype={entry.shard.dtype} bucket={entry.bucket} "
-            f"pinned={entry.pinned} requires_grad={entry.shard.requires_grad}"
+            f"shape={tuple(entry.full_shape)} dtype={entry.param.dtype} bucket={entry.bucket} "
+            f"pinned={entry.pinned} requires_grad={entry.param.requires_grad}"
         )
     if dataclasses.is_dataclass(state):
         for f in dataclasses.fields(state):

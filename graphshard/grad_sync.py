@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from graphshard.sharding import ShardedParam, ShardState, shard_state
-from passes.markers import GradSync, shard_shape
+from passes.markers import GradSync
 
 __all__ = ["no_sync", "set_requires_gradient_sync", "set_requires_all_reduce"]
 
@@ -36,7 +36,7 @@ def _stub_leaf(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _accum_dtype(state: ShardState, entry: ShardedParam) -> torch.dtype:
     policy = state.mixed_precision
-    return (policy and policy.gradient_dtype) or entry.shard.dtype
+    return (policy and policy.gradient_dtype) or entry.param.dtype
 
 
 def _pending(state: ShardState, attr: str) -> list[str]:
@@ -60,14 +60,13 @@ def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
             "no_sync(model) and no_sync(model, reduce_scatter=True)."
         )
     for entry in state.params:
-        if not entry.shard.requires_grad:
+        if not entry.param.requires_grad:
             continue
-        device, dtype = entry.shard.device, _accum_dtype(state, entry)
+        device, dtype = entry.param.device, _accum_dtype(state, entry)
         if mode == GradSync.NONE and not _usable(entry.unreduced, device, dtype, entry):
             entry.unreduced = _stub_leaf(entry.full_shape, dtype, device)
         if mode == GradSync.PARTIAL and not _usable(entry.partial, device, dtype, entry):
-            shape = shard_shape(entry.full_shape, state.world_size)
-            entry.partial = _stub_leaf(shape, dtype, device)
+            entry.partial = _stub_leaf(state.layout(entry).piece_shape, dtype, device)
     state.sync = mode
 
 
@@ -92,8 +91,8 @@ def _install_folding(root: nn.Module, state: ShardState) -> None:
     nothing per forward): arm held-back gradients before each forward, drop them once a
     backward has folded them in."""
     for entry in state.params:
-        if entry.shard.requires_grad:
-            entry.shard.register_hook(_drop_when_folded(entry))
+        if entry.param.requires_grad:
+            entry.param.register_hook(_drop_when_folded(entry))
     root.register_forward_pre_hook(_arm_held_back(state))
     state.folds_held_back = True
 

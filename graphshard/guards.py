@@ -13,8 +13,10 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
   (``torch.__future__.set_overwrite_module_params_on_conversion(True)``, or conversions
   between incompatible tensor types) the sharding record is re-pointed to them and tied
   parameters stay tied.
-- **``model.load_state_dict(full_or_sharded)``** with full-shape tensors or DTensors raises,
-  naming :func:`graphshard.load_full_state_dict` / :func:`graphshard.load_sharded_state_dict`.
+- **``model.load_state_dict(sd)``** takes what ``model.state_dict()`` gives (DTensors, at
+  any world size once DCP has resharded them); a plain tensor for a parameter raises, naming
+  ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` (DTensor's own error
+  would not say what to call).
 - The plan fingerprint is compared across ranks (:mod:`graphshard.fingerprint`).
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphshard.fingerprint import check_shard_plan
@@ -49,7 +52,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
             continue
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
-    module.register_load_state_dict_pre_hook(_redirect_full_or_sharded)
+    module.register_load_state_dict_pre_hook(_refuse_plain_tensors)
     check_shard_plan(state)
 
 
@@ -63,7 +66,9 @@ def _refuse_replace(module: nn.Module, name: str, action: str) -> None:
         "each rank holds only its shard of it, and a new tensor there would be taken for a "
         "shard (gathered and trained silently wrong). Replace parameters before calling "
         "graphshard.shard(); to change the values of a sharded parameter, use "
-        f"graphshard.load_full_state_dict(model, {{{fqn!r}: new_full_tensor}}, strict=False)."
+        "torch.distributed.checkpoint.state_dict.set_model_state_dict(model, "
+        f"{{{fqn!r}: new_full_tensor}}, options=StateDictOptions(full_state_dict=True, "
+        "strict=False))."
     )
 
 
@@ -97,13 +102,13 @@ def _guard_class(cls: type) -> None:
             new, entry = self._parameters[pname], entries[pname]
             if new is old:
                 continue
-            if entry.shard is old:  # first owner converted: the record follows
+            if entry.param is old:  # first owner converted: the record follows
                 for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
                     if getattr(old, hooks, None):
                         setattr(new, hooks, getattr(old, hooks))
-                entry.shard = new
+                entry.param = new
             else:  # a tied owner already converted it: share that one Parameter
-                self._parameters[pname] = entry.shard
+                self._parameters[pname] = entry.param
         return out
 
     cls.__setattr__ = __setattr__
@@ -116,30 +121,21 @@ def _guard_class(cls: type) -> None:
 # --------------------------------------------------------------------------- load_state_dict
 
 
-def _redirect_full_or_sharded(module, state_dict, prefix, *args: Any) -> None:
-    from torch.distributed.tensor import DTensor
-
+def _refuse_plain_tensors(module, state_dict, prefix, *args: Any) -> None:
     from graphshard.sharding import shard_state
 
     state = shard_state(module)
     for entry in state.params:
         for name in entry.names:
             value = state_dict.get(prefix + name)
-            if isinstance(value, DTensor):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 raise ShardedModelError(
-                    f"load_state_dict() got a DTensor for {name!r}: a sharded state dict. Use "
-                    "graphshard.load_sharded_state_dict(model, state_dict) (or "
-                    "graphshard.load_checkpoint for a saved checkpoint)."
-                )
-            if (
-                isinstance(value, torch.Tensor)
-                and value.shape != entry.shard.shape
-                and value.shape == entry.full_shape
-            ):
-                raise ShardedModelError(
-                    f"load_state_dict() got the full tensor {tuple(value.shape)} for {name!r}, "
-                    f"whose local shard is {tuple(entry.shard.shape)}: this is an unsharded "
-                    "state dict. Use graphshard.load_full_state_dict(model, state_dict)."
+                    f"load_state_dict() got a plain tensor {tuple(value.shape)} for {name!r}, "
+                    "whose parameter is a DTensor sharded across ranks. Load full tensors "
+                    "with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, "
+                    "sd, options=StateDictOptions(full_state_dict=True)) (add "
+                    "broadcast_from_rank0=True when only rank 0 holds them); sharded ones "
+                    "come from model.state_dict() or torch.distributed.checkpoint."
                 )
 
 

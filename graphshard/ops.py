@@ -9,8 +9,16 @@ markers with bucketed collectives doing the same arithmetic in the same order.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from passes.layout import (
+    Dim0Layout,
+    eager,
+    full_from_gathered,
+    gather_piece,
+    local_from_reduced,
+    rank_major,
+    rows_held,
+)
 from passes.markers import (
     REDUCE_GRAD,
     UNSHARD,
@@ -18,27 +26,24 @@ from passes.markers import (
     ReduceGradArgs,
     UnshardArgs,
     reduce_op,
-    shard_rows,
 )
 
 _c10d = torch.ops._c10d_functional
 
 
-def gather_full(shard: torch.Tensor, full_shape, world_size: int, group_name: str):
-    """The full tensor from every rank's padded dim-0 shard (a new tensor, padding cut)."""
-    dim0 = full_shape[0] if len(full_shape) else 1
-    if world_size == 1:
-        return shard.narrow(0, 0, dim0).reshape(full_shape).clone()
-    gathered = _c10d.wait_tensor(
-        _c10d.all_gather_into_tensor(shard.contiguous(), world_size, group_name)
-    )
-    return gathered.narrow(0, 0, dim0).reshape(full_shape).clone()
+def gather_full(local: torch.Tensor, layout: Dim0Layout, group_name: str) -> torch.Tensor:
+    """The full tensor from every rank's local rows (a new tensor, padding cut off)."""
+    piece = gather_piece(eager, local.contiguous(), layout, rows_held(local.shape))
+    if layout.world == 1:
+        return full_from_gathered(eager, piece, layout).clone()
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece, layout.world, group_name))
+    return full_from_gathered(eager, gathered, layout)
 
 
 def _unshard_eager(shard, full_shape, *args, **kwargs):
     m = UnshardArgs(shard, full_shape, *args, **kwargs)
     local = shard if m.param_dtype is None else shard.to(m.param_dtype)
-    return gather_full(local, full_shape, m.world_size, m.group_name)
+    return gather_full(local, Dim0Layout(full_shape, m.world_size), m.group_name)
 
 
 def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -> torch.Tensor:
@@ -56,21 +61,22 @@ def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -
 
 def _reduce_grad_eager(grad, *args, **kwargs):
     m = ReduceGradArgs(grad, *args, **kwargs)
+    layout = Dim0Layout(grad.shape, m.world_size)
     if m.reduce_dtype is not None:
         grad = grad.to(m.reduce_dtype)
     if m.pending_full is not None:
         grad = grad + m.pending_full
-    rows = shard_rows(grad.shape, m.world_size)
-    flat = grad.reshape(grad.shape[0] if grad.dim() else 1, -1)
-    padded = F.pad(flat, (0, 0, 0, rows * m.world_size - flat.shape[0]))
-    out = _reduce(padded, "reduce_scatter", m.world_size, m.group_name)
+    matrix = rank_major(eager, grad, layout)
+    out = _reduce(matrix.view(-1), "reduce_scatter", m.world_size, m.group_name)
     if m.pending_partial is not None:
         out = out + m.pending_partial.reshape(out.shape)
     if m.all_reduce and m.replica_size > 1:
         out = _reduce(out, "all_reduce", m.replica_size, m.replica_group)
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
-    return out.reshape((rows, *grad.shape[1:]))
+    if not m.all_reduce:  # a partial accumulates as the padded piece
+        return out.view(layout.piece_shape)
+    return local_from_reduced(eager, out, layout, m.local_rows)
 
 
 torch.library.register_kernel("graphshard::unshard", None, _unshard_eager)
@@ -83,6 +89,7 @@ _ACCUM = UnshardArgs._fields.index("accum")  # the input a held-back gradient go
 def _unshard_setup(ctx, inputs, output):
     ctx.marker = UnshardArgs(*inputs)
     ctx.shard_dtype = inputs[0].dtype
+    ctx.local_rows = rows_held(inputs[0].shape)
 
 
 def _unshard_backward(ctx, grad):
@@ -97,7 +104,7 @@ def _unshard_backward(ctx, grad):
     reduced = REDUCE_GRAD(
         grad, m.bucket, m.name, m.world_size, m.group_name, reduce_dtype,
         ctx.shard_dtype if final else m.accum.dtype, m.replica_group, m.replica_size, final,
-        m.pending_full, m.pending_partial,
+        m.pending_full, m.pending_partial, ctx.local_rows,
     )  # fmt: skip
     grads[0 if final else _ACCUM] = reduced
     return tuple(grads)

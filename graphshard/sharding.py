@@ -1,8 +1,13 @@
-"""``shard()``: replace every parameter of a module by its rank's padded dim-0 shard.
+"""``shard()``: replace every parameter of a module by a DTensor sharded on dim 0.
 
-The shard stays in ``module._parameters`` so ``parameters()``, optimizers and ``state_dict()``
-see shards. Attribute access (``self.weight``) goes through a per-instance subclass whose
-property returns ``unshard(shard)``: eagerly that all-gathers, and under ``torch.compile`` it
+Each parameter becomes an ``nn.Parameter`` wrapping a ``DTensor`` of the full shape, placed
+``Shard(0)`` on the shard mesh (``(Replicate(), Shard(0))`` on an HSDP mesh; a 0-D
+parameter is replicated); its local tensor is this rank's rows as ``torch.chunk`` lays them
+out (``passes.layout``). So ``parameters()``, optimizers, ``state_dict()``, DCP and torch's
+utilities (``clip_grad_norm_``, ``numel()``) see sharded parameters with their global
+shapes, and gradients arrive as DTensors with the same placements. Attribute access
+(``self.weight``) goes through a per-instance subclass whose property returns
+``unshard(param.to_local())``: eagerly that all-gathers, and under ``torch.compile`` it
 leaves a marker node that the passes lower into bucketed collectives.
 """
 
@@ -13,16 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import guards, ops  # noqa: F401  (registers the eager kernels)
 from graphshard.mixed_precision import MixedPrecision, install_casts
-from passes.markers import UNSHARD, GradSync, shard_rows
+from passes.layout import Dim0Layout
+from passes.markers import UNSHARD, GradSync
 
 __all__ = [
-    "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision"
+    "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
+    "placements", "sharded_parameter",
 ]
 
 _STATE_ATTR = "_graphshard_state"
@@ -30,15 +37,15 @@ _STATE_ATTR = "_graphshard_state"
 
 @dataclass
 class ShardedParam:
-    """What one sharded parameter is: its names, full shape and bucket."""
+    """What one sharded parameter is: its names, full shape, bucket and the Parameter."""
 
     names: list[str]
     full_shape: torch.Size
     bucket: int
     pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
-    shard: nn.Parameter
+    param: nn.Parameter  # a DTensor: the full shape, this rank's rows as local tensor
     # Leaves that collect gradients held back by no_sync: the full gradient (GradSync.NONE)
-    # or the reduce-scattered partial (GradSync.PARTIAL). Their ``.grad`` is what is pending.
+    # or the reduce-scattered padded piece (GradSync.PARTIAL). Their ``.grad`` is pending.
     unreduced: torch.Tensor | None = None
     partial: torch.Tensor | None = None
     # (full, partial) held-back gradients the next read folds in: armed before each forward
@@ -56,9 +63,9 @@ class ShardState:
     world_size: int  # ranks in the shard group
     rank: int  # this rank's index in the shard group
     reshard_after_forward: bool
+    mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
     params: list[ShardedParam] = field(default_factory=list)
     bucket_names: list[str] = field(default_factory=list)
-    mesh: DeviceMesh | None = None  # as given: 1-D (shard) or 2-D (replicate, shard)
     replica_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced over it
     replica_size: int = 1
     mixed_precision: MixedPrecision | None = None
@@ -69,6 +76,10 @@ class ShardState:
     def group_name(self) -> str:
         """The name the functional collectives use for ``group``."""
         return self.group.group_name
+
+    def layout(self, entry: ShardedParam) -> Dim0Layout:
+        """How ``entry``'s parameter is split across the shard group."""
+        return Dim0Layout(entry.full_shape, self.world_size)
 
 
 def shard_state(module: nn.Module) -> ShardState:
@@ -167,12 +178,22 @@ def _assign_buckets(
     return bucket_of, bucket_names
 
 
-def _local_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    rows = shard_rows(full.shape, world_size)
-    flat = full.detach().reshape(full.shape[0] if full.dim() else 1, -1)
-    padded = F.pad(flat, (0, 0, 0, rows * world_size - flat.shape[0]))
-    local = padded[rank * rows : (rank + 1) * rows]
-    return local.reshape((rows, *full.shape[1:])).clone()
+def placements(mesh: DeviceMesh, full_shape: Sequence[int]) -> tuple:
+    """Where a parameter of ``full_shape`` lives on ``mesh``: ``Shard(0)`` along the last
+    (shard) dimension, replicated along the others; a 0-D parameter is replicated."""
+    inner = Shard(0) if len(full_shape) else Replicate()
+    return (*([Replicate()] * (mesh.ndim - 1)), inner)
+
+
+def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, rank: int) -> nn.Parameter:
+    """``full`` as a Parameter wrapping a DTensor whose local tensor is ``rank``'s rows."""
+    layout = Dim0Layout(full.shape, mesh.size(mesh.ndim - 1))
+    local = layout.local(full.detach(), rank).clone()
+    dtensor = DTensor.from_local(
+        local, mesh, placements(mesh, full.shape), run_check=False, shape=full.shape,
+        stride=torch.empty(full.shape, device="meta").stride(),
+    )  # fmt: skip
+    return nn.Parameter(dtensor, requires_grad=full.requires_grad)
 
 
 def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
@@ -196,7 +217,7 @@ def _sharded_class(cls: type, names: Iterable[str]) -> type:
         def get(self):
             entry, spec = self._graphshard_specs[pname]
             state = self._graphshard_root_state
-            return read_param(self._parameters[pname], entry, spec, state.sync)
+            return read_param(self._parameters[pname].to_local(), entry, spec, state.sync)
 
         return property(get)
 
@@ -230,7 +251,7 @@ def shard(
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
 
     Returns:
-        ``module`` itself, whose ``parameters()`` are now the local shards.
+        ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
     """
     if is_sharded(module):
         raise RuntimeError(
@@ -255,8 +276,11 @@ def shard(
             )
     originals = guards.collect_originals(module)  # marked once replaced (graphshard.guards)
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
+    if mesh is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        mesh = DeviceMesh.from_group(group, device.type)
     state = ShardState(
-        group, world_size, rank, reshard_after_forward, bucket_names=bucket_names, mesh=mesh,
+        group, world_size, rank, reshard_after_forward, mesh, bucket_names=bucket_names,
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
     )  # fmt: skip
 
@@ -269,11 +293,10 @@ def shard(
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             entry = by_param.get(id(p))
             if entry is None:
-                local = _local_shard(p, world_size, rank).to(p.device)
-                shard_param = nn.Parameter(local, requires_grad=p.requires_grad)
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
-                entry = ShardedParam([fqn], p.shape, bucket, pinned, shard_param)
+                param = sharded_parameter(p, mesh, rank)
+                entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
                 by_param[id(p)] = entry
                 state.params.append(entry)
             elif fqn not in entry.names:
@@ -286,7 +309,7 @@ def shard(
         specs = {}
         for pname in dict.fromkeys(pnames):
             entry = by_param[id(sub._parameters[pname])]
-            sub._parameters[pname] = entry.shard
+            sub._parameters[pname] = entry.param
             spec = (
                 list(entry.full_shape),
                 entry.bucket,

@@ -6,9 +6,11 @@ in one process and used offline on models far larger than the machine.
 
 from passes.bucketing import assign_buckets
 from passes.dedupe import dedupe_unshard
+from passes.fold_views import fold_views
+from passes.layout import Dim0Layout
 from passes.lower_reduce_grad import lower_reduce_grad
 from passes.lower_unshard import lower_unshard
-from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard, shard_shape
+from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard
 from passes.merge_reduce_grad import merge_reduce_grad
 from passes.overlap_reduce import overlap_reduce
 from passes.plan import Bucket, Plan, collect_buckets
@@ -23,6 +25,8 @@ __all__ = [
     "Plan",
     "collect_buckets",
     "dedupe_unshard",
+    "Dim0Layout",
+    "fold_views",
     "is_reduce_grad",
     "is_unshard",
     "lower_reduce_grad",
@@ -31,5 +35,4 @@ __all__ = [
     "overlap_reduce",
     "prefetch",
     "reshard",
-    "shard_shape",
 ]

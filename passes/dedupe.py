@@ -1,8 +1,9 @@
-"""Merge repeated ``unshard`` calls on the same shard into one.
+"""Merge repeated ``unshard`` calls on the same parameter into one.
 
 A tied parameter (embedding and output projection) or a parameter read twice in a forward
-produces one marker per read. Merging them before AOTAutograd gives one gather and one
-gradient reduction per shard, so the gradient is summed locally before it is communicated.
+produces one marker per read, each on its own ``to_local()`` of the parameter's DTensor.
+Merging them before AOTAutograd gives one gather and one gradient reduction per parameter,
+so the gradient is summed locally before it is communicated.
 """
 
 from __future__ import annotations
@@ -16,17 +17,28 @@ from passes.plan import Plan
 __all__ = ["dedupe_unshard"]
 
 
+def _parameter_of(shard: fx.Node) -> fx.Node:
+    """The graph input a marker reads: through ``to_local()`` of a DTensor parameter."""
+    if shard.op == "call_method" and shard.target == "to_local":
+        return shard.args[0]
+    return shard
+
+
 def dedupe_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Point every later ``unshard`` of a shard at its first one and drop the repeats."""
+    """Point every later ``unshard`` of a parameter at its first one and drop the repeats
+    (and the ``to_local()`` calls only they used)."""
     first: dict[fx.Node, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if not is_unshard(node):
             continue
         shard = marker_args(node).shard
-        if shard in first:
-            replace_and_erase(node, first[shard])
+        param = _parameter_of(shard)
+        if param in first:
+            replace_and_erase(node, first[param])
+            if shard is not param and not shard.users:
+                gm.graph.erase_node(shard)
         else:
-            first[shard] = node
+            first[param] = node
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,25 +1,24 @@
 """Lower the ``reduce_grad`` markers of each bucket into one reduce-scatter.
 
-Each full gradient is padded on dim 0 and laid out as ``[world, rows * inner]``; the bucket's
-gradients are concatenated along dim 1 so that rank r's slice of the flat buffer is exactly
-the concatenation of its shards. One averaging reduce-scatter then hands each rank its
-gradient shards. Mixed precision casts the gradients to ``reduce_dtype`` first and the
-result back to the shard's dtype; on a 2-D mesh the reduced shards are then all-reduced
-(averaged) across replicas; gradients held back by ``no_sync`` are added in, full ones
-before the reduce-scatter and reduce-scattered partials before the all-reduce.
-It is issued once the bucket's last gradient exists; its wait sits just
-after it (the scheduling passes delay it).
+Each full gradient is laid out rank-major, ``[world, piece_numel]`` with dim-0 padding
+(``passes.layout``); the bucket's gradients are concatenated along dim 1 so that rank r's
+slice of the flat buffer is exactly the concatenation of its padded pieces. One averaging
+reduce-scatter then hands each rank its pieces, of which it keeps its own rows. Mixed
+precision casts the gradients to ``reduce_dtype`` first and the result back to the shard's
+dtype; on a 2-D mesh the reduced pieces are then all-reduced (averaged) across replicas;
+gradients held back by ``no_sync`` are added in, full ones before the reduce-scatter and
+reduce-scattered partials before the all-reduce. It is issued once the bucket's last
+gradient exists; its wait sits just after it (the scheduling passes delay it).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import fx
 
 from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
-from passes.markers import is_reduce_grad, marker_args, reduce_op, shard_shape
+from passes.layout import Dim0Layout, local_from_reduced, rank_major
+from passes.markers import is_reduce_grad, marker_args, reduce_op
 from passes.plan import Bucket, Plan, collect_buckets
 
 __all__ = ["lower_reduce_grad"]
@@ -52,15 +51,14 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
     with graph.inserting_before(anchor):
-        columns, shapes = [], []
+        columns, layouts = [], []
         for node in bucket.nodes:
             args = marker_args(node)
-            full_shape = list(args.grad.meta["val"].shape)
-            shapes.append(shard_shape(full_shape, world))
+            layouts.append(Dim0Layout(args.grad.meta["val"].shape, world))
             grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
             if args.pending_full is not None:  # full gradients of no_sync micro-batches
                 grad = make(aten.add.Tensor, grad, args.pending_full)
-            columns.append(_as_rank_major(make, grad, full_shape, world))
+            columns.append(rank_major(make, grad, layouts[-1]))
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
         reduced = _reduce(make, "reduce_scatter", flat, world, group)
@@ -72,7 +70,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         result = make(c10d.wait_tensor.default, reduced)
         pending = [marker_args(n).pending_partial for n in bucket.nodes]
         if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
-            result = make(aten.add.Tensor, result, _flat(make, pending, shapes))
+            result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
         if first.all_reduce and first.replica_size > 1:
             across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
             across.meta["graphshard"] = {
@@ -84,12 +82,17 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
             result = make(prims.convert_element_type.default, result, first.out_dtype)
         shards, offset = [], 0
-        for shape in shapes:
-            numel = math.prod(shape)
+        total = sum(layout.piece_numel for layout in layouts)
+        for node, layout in zip(bucket.nodes, layouts, strict=True):
+            numel = layout.piece_numel
             piece = result
-            if numel != sum(math.prod(s) for s in shapes):
+            if numel != total:
                 piece = make(aten.slice.Tensor, result, 0, offset, offset + numel)
-            shards.append(make(aten.view.default, piece, list(shape)))
+            if first.all_reduce:  # final: this rank's rows of the parameter
+                shard = local_from_reduced(make, piece, layout, marker_args(node).local_rows)
+            else:  # a partial accumulates as the padded piece
+                shard = make(aten.view.default, piece, list(layout.piece_shape))
+            shards.append(shard)
             offset += numel
     for node, shard in zip(list(bucket.nodes), shards, strict=True):
         replace_and_erase(node, shard)
@@ -111,25 +114,13 @@ def _in_reduce_dtype(make: NodeMaker, grad: fx.Node, dtype: torch.dtype | None) 
     return make(prims.convert_element_type.default, grad, dtype)
 
 
-def _flat(make: NodeMaker, tensors: list[fx.Node | None], shapes: list) -> fx.Node:
-    """The bucket's flat shard layout of ``tensors`` (zeros where one is missing)."""
+def _flat(make: NodeMaker, tensors: list[fx.Node | None], layouts: list[Dim0Layout]) -> fx.Node:
+    """The bucket's flat piece layout of ``tensors`` (zeros where one is missing)."""
     template = next(t for t in tensors if t is not None)
     pieces = []
-    for tensor, shape in zip(tensors, shapes, strict=True):
+    for tensor, layout in zip(tensors, layouts, strict=True):
         if tensor is None:
-            pieces.append(make(aten.new_zeros.default, template, [math.prod(shape)]))
+            pieces.append(make(aten.new_zeros.default, template, [layout.piece_numel]))
         else:
             pieces.append(make(aten.view.default, tensor, [-1]))
     return pieces[0] if len(pieces) == 1 else make(aten.cat.default, pieces)
-
-
-def _as_rank_major(make: NodeMaker, grad: fx.Node, full_shape: list[int], world: int) -> fx.Node:
-    """``grad`` padded on dim 0 and viewed as ``[world, rows * inner]``."""
-    dim0 = full_shape[0] if full_shape else 1
-    inner = math.prod(full_shape[1:])
-    rows = shard_shape(full_shape, world)[0]
-    dense = make(aten.clone.default, grad, memory_format=torch.contiguous_format)
-    matrix = make(aten.view.default, dense, [dim0, inner])
-    if rows * world != dim0:
-        matrix = make(aten.constant_pad_nd.default, matrix, [0, 0, 0, rows * world - dim0], 0.0)
-    return make(aten.view.default, matrix, [world, rows * inner])

@@ -1,22 +1,21 @@
 """Lower the ``unshard`` markers of each bucket into one all-gather.
 
-One collective per bucket pays the latency once for all its parameters: the bucket's shards
-are cast to the mixed-precision ``param_dtype`` (if any) and flattened into one buffer,
-gathered rank-major, and each parameter is rebuilt from its
-column of the gathered ``[world, bucket_numel]`` matrix, with dim-0 padding cut off.
+One collective per bucket pays the latency once for all its parameters: the bucket's local
+shards are cast to the mixed-precision ``param_dtype`` (if any), padded to equal pieces and
+flattened into one buffer (``passes.layout``), gathered rank-major, and each parameter is
+rebuilt from its column of the gathered ``[world, bucket_numel]`` matrix, padding cut off.
 The gather is placed just before the bucket's first marker (its first use); the scheduling
 passes move it earlier.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import fx
 
 from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
-from passes.markers import is_unshard, marker_args, shard_shape
+from passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
+from passes.markers import is_unshard, marker_args
 from passes.plan import Bucket, Plan, collect_buckets
 
 __all__ = ["lower_unshard"]
@@ -51,10 +50,14 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
 
-    shapes = [shard_shape(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
-    numels = [math.prod(shape) for shape in shapes]
+    layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
+    numels = [layout.piece_numel for layout in layouts]
     with graph.inserting_before(_insert_point(graph, bucket)):
-        flats = [make(aten.view.default, _cast(make, shard, first), [-1]) for shard in slots]
+        flats = [
+            gather_piece(make, _cast(make, shard, first), layout,
+                         rows_held(shard.meta["val"].shape))
+            for shard, layout in zip(slots, layouts, strict=True)
+        ]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
         gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
         gathered.meta["graphshard"] = {
@@ -63,13 +66,14 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             "params": [marker_args(nodes[0]).name for nodes in slots.values()],
         }
         waited = make(c10d.wait_tensor.default, gathered)
-        matrix = make(aten.view.default, waited, [world, sum(numels)])
+        total = sum(numels)
+        matrix = waited if len(slots) == 1 else make(aten.view.default, waited, [world, total])
         rebuilt = {}
         offset = 0
-        for (shard, nodes), numel in zip(slots.items(), numels, strict=True):
-            args = marker_args(nodes[0])
-            rebuilt[shard] = _rebuild(make, matrix, offset, numel, sum(numels), args, world)
-            offset += numel
+        for shard, layout in zip(slots, layouts, strict=True):
+            column = _column(make, matrix, offset, layout.piece_numel, total)
+            rebuilt[shard] = full_from_gathered(make, column, layout)
+            offset += layout.piece_numel
     for shard, nodes in slots.items():
         for node in nodes:
             replace_and_erase(node, rebuilt[shard])
@@ -82,21 +86,10 @@ def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:
     return make(prims.convert_element_type.default, shard, args.param_dtype)
 
 
-def _rebuild(
-    make: NodeMaker, matrix: fx.Node, offset: int, numel: int, total: int, args, world: int
-) -> fx.Node:
-    """The full parameter from its ``[world, numel]`` column block of the gathered matrix."""
-    full_shape = list(args.full_shape)
-    padded_shape = [world * shard_shape(full_shape, world)[0], *full_shape[1:]]
+def _column(make: NodeMaker, matrix: fx.Node, offset: int, numel: int, total: int) -> fx.Node:
+    """One parameter's pieces from every rank, contiguous: its ``[world, numel]`` column
+    block of the gathered ``[world, total]`` matrix (the buffer itself when alone)."""
     if total == numel:
-        column = matrix
-    else:
-        column = make(aten.slice.Tensor, matrix, 1, offset, offset + numel)
-        column = make(aten.clone.default, column, memory_format=torch.contiguous_format)
-    padded = make(aten.view.default, column, padded_shape)
-    dim0 = full_shape[0] if full_shape else 1
-    if dim0 != padded_shape[0]:
-        padded = make(aten.slice.Tensor, padded, 0, 0, dim0)
-    if not full_shape:  # a 0-D parameter travels as one row
-        padded = make(aten.view.default, padded, [])
-    return padded
+        return matrix
+    column = make(aten.slice.Tensor, matrix, 1, offset, offset + numel)
+    return make(aten.clone.default, column, memory_format=torch.contiguous_format)

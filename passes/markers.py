@@ -1,4 +1,4 @@
-"""The marker ops and the shard layout: the vocabulary shared by ``graphshard`` and the passes.
+"""The marker ops: the vocabulary shared by ``graphshard`` and the passes.
 
 A sharded parameter is read through ``graphshard::unshard`` and its gradient leaves through
 ``graphshard::reduce_grad``. Both carry everything the passes need as plain arguments (full
@@ -9,18 +9,16 @@ live here; the eager kernels that really communicate are registered by ``graphsh
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import fx
 
+from passes.layout import Dim0Layout
+
 __all__ = [
     "UNSHARD",
     "REDUCE_GRAD",
-    "shard_rows",
-    "shard_shape",
     "is_unshard",
     "is_reduce_grad",
     "UnshardArgs",
@@ -28,12 +26,14 @@ __all__ = [
     "marker_args",
     "GradSync",
     "reduce_op",
+    "reduced_shape",
 ]
 
 _lib = torch.library.Library("graphshard", "DEF")
 # ``sync`` says where the gradient of one micro-batch goes (see ``GradSync``); ``accum`` is the
 # leaf that receives it when it is not reduced all the way, ``pending_*`` what earlier
-# micro-batches accumulated, folded into this micro-batch's reduction.
+# micro-batches accumulated, folded into this micro-batch's reduction. ``shard`` is the rank's
+# local rows (the DTensor parameter's local tensor, unpadded: see ``passes.layout``).
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, bool reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
@@ -44,8 +44,10 @@ _lib.define(
     "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name, "
     "ScalarType? reduce_dtype=None, ScalarType? out_dtype=None, str replica_group='', "
     "int replica_size=1, bool all_reduce=True, Tensor? pending_full=None, "
-    "Tensor? pending_partial=None) -> Tensor"
+    "Tensor? pending_partial=None, int local_rows=0) -> Tensor"
 )
+# ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
+# local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
 
 
 class GradSync:
@@ -65,12 +67,6 @@ UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
 
 
-def shard_rows(full_shape: Sequence[int], world_size: int) -> int:
-    """Rows of dim 0 each rank holds: ``ceil(dim0 / world_size)`` (a 0-D tensor has 1 row)."""
-    dim0 = full_shape[0] if len(full_shape) else 1
-    return max(1, math.ceil(dim0 / world_size))
-
-
 def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
     """The collective's reduce op and the factor applied before it, to average a gradient
     of ``dtype`` over ``group_size`` ranks.
@@ -83,11 +79,6 @@ def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
     return "avg", 1.0
 
 
-def shard_shape(full_shape: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """Shape of one rank's padded shard of a tensor of ``full_shape``."""
-    return (shard_rows(full_shape, world_size), *tuple(full_shape[1:]))
-
-
 @torch.library.register_fake("graphshard::unshard")
 def _unshard_fake(shard, full_shape, *args, **kwargs):
     dtype = UnshardArgs(shard, full_shape, *args, **kwargs).param_dtype or shard.dtype
@@ -97,7 +88,15 @@ def _unshard_fake(shard, full_shape, *args, **kwargs):
 @torch.library.register_fake("graphshard::reduce_grad")
 def _reduce_grad_fake(grad, bucket, name, world_size, *args, **kwargs):
     m = ReduceGradArgs(grad, bucket, name, world_size, *args, **kwargs)
-    return grad.new_empty(shard_shape(grad.shape, world_size), dtype=m.out_dtype or grad.dtype)
+    return grad.new_empty(reduced_shape(m), dtype=m.out_dtype or grad.dtype)
+
+
+def reduced_shape(m: ReduceGradArgs) -> tuple[int, ...]:
+    """The shape ``reduce_grad`` returns: the reading rank's local shape for a final
+    gradient, the padded piece for a partial one."""
+    layout = Dim0Layout(m.grad.shape if isinstance(m.grad, torch.Tensor)
+                        else m.grad.meta["val"].shape, m.world_size)
+    return layout.local_shape(m.local_rows) if m.all_reduce else layout.piece_shape
 
 
 def is_unshard(node: fx.Node) -> bool:
@@ -146,6 +145,7 @@ class ReduceGradArgs(NamedTuple):
     all_reduce: bool = True  # False: a partial (reduce-scattered, not yet all-reduced)
     pending_full: fx.Node | None = None
     pending_partial: fx.Node | None = None
+    local_rows: int = 0  # rows of dim 0 the reading rank holds (rank-dependent)
 
 
 def marker_args(node: fx.Node) -> UnshardArgs | ReduceGradArgs:

@@ -18,6 +18,7 @@ import contextlib
 import parity
 import torch
 import torch.distributed as dist
+from dist_utils import full_state
 from parity import Case
 from torch import nn
 
@@ -99,7 +100,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, 
         opt.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    return {"losses": losses, "state": graphshard.full_state_dict(model)}
+    return {"losses": losses, "state": full_state(model)}
 
 
 def train_reference(case: str, world_size: int) -> dict:

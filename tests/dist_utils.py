@@ -44,3 +44,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         )
         paths = [Path(tmp) / f"rank{r}.pt" for r in range(world_size)]
         return [torch.load(path, weights_only=False) for path in paths]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict through torch's own API, as a user gets it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

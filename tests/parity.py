@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from dist_utils import full_state
 from torch import nn
 
 import graphshard
@@ -156,7 +157,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    return {"losses": losses, "state": graphshard.full_state_dict(model)}
+    return {"losses": losses, "state": full_state(model)}
 
 
 def train_reference(case: str, world_size: int) -> dict:

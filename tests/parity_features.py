@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import full_state
 from parity import LR, MOMENTUM, STEPS
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -216,7 +217,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
     ]
     return {
         "losses": losses,
-        "state": graphshard.full_state_dict(model),
+        "state": full_state(model),
         "frozen_with_grad": frozen_grads,
         "break_warnings": [
             str(w.message) for w in caught if issubclass(w.category, graphshard.GraphBreakWarning)
