@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
@@ -61,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-steps", type=int, default=5, help="linear learning-rate warmup steps"
     )
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    parser.add_argument(
+        "--clip-grad-norm", type=float, default=1.0,
+        help="clip the global gradient norm to this (torch.nn.utils.clip_grad_norm_ on the "
+        "sharded DTensor gradients); 0 turns it off",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument(
         "--noise",
@@ -281,7 +287,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
     if args.save:
         # a collective: every rank takes part; only rank 0 holds the tensors, on the CPU
-        state = graphshard.full_state_dict(model, rank0_only=True, cpu_offload=True)
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
             torch.save(state, args.save)
@@ -303,6 +310,8 @@ def train_step(run, model, optimizer, scheduler, data, step, rank, world_size, a
             micro_loss = run(tokens).loss / micro
             micro_loss.backward()
         loss += micro_loss.detach()
+    if args.clip_grad_norm > 0:  # the global norm: the gradients are DTensors
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-import graphshard
 from graphshard.models.llama import Llama, llama_config
 from graphshard.models.mlp import MLPOutput
 
@@ -198,7 +198,7 @@ def train(kind: str, run: nn.Module, opt, sched, steps: range) -> list[float]:
 
 def full_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state with every sharded tensor gathered to its full shape."""
-    osd = graphshard.sharded_optim_state_dict(model, opt)
+    osd = get_optimizer_state_dict(model, opt)
     return {
         fqn: {k: v.full_tensor() if isinstance(v, DTensor) else _copy(v) for k, v in per.items()}
         for fqn, per in osd["state"].items()

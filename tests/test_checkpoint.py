@@ -1,5 +1,5 @@
 """Sharded checkpoints on real gloo ranks: resume, reshard on load, interrupted saves,
-mismatched checkpoints, full state dicts.
+mismatched checkpoints, full state dicts through torch's ``get_/set_model_state_dict``.
 
 One sequence shares a checkpoint directory (module fixture ``runs``):
 
@@ -29,6 +29,13 @@ from ckpt_utils import (
     single_rank_group,
     train,
 )
+from dist_utils import full_state
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 
 import graphshard
 from graphshard.checkpoint import COMMIT_MARKER
@@ -46,20 +53,21 @@ def _sharded(kind: str, mode: str = "eager"):
 
 
 def _snapshot(model, opt) -> dict:
-    return {"params": graphshard.full_state_dict(model), "optim": full_optim_state(model, opt)}
+    return {"params": full_state(model), "optim": full_optim_state(model, opt)}
 
 
 def job_train_and_save(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for kind, mode in KINDS.items():
         model, run, opt, sched = _sharded(kind, mode)
-        initial = graphshard.full_state_dict(model)
+        initial = full_state(model)
         train(kind, run, opt, sched, range(0, 3))
         graphshard.save_checkpoint(f"{root}/{kind}", model, opt, step=3,
                                    extra={"scheduler": sched.state_dict()})
         at3 = _snapshot(model, opt)
         if kind == "awkward":
-            full = graphshard.full_state_dict(model, rank0_only=True, cpu_offload=True)
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
             out["rank0_only_keys"] = sorted(full)
             if rank == 0:
                 torch.save(full, f"{root}/awkward_full.pt")
@@ -95,17 +103,18 @@ def job_world3(rank: int, world_size: int, root: str) -> dict:
     # a full state dict read on rank 0 only, broadcast to the others
     model, _, _, _ = _sharded("awkward")
     full = torch.load(f"{root}/awkward_full.pt") if rank == 0 else None
-    graphshard.load_full_state_dict(model, full, from_rank0=True)
-    out["from_rank0"] = graphshard.full_state_dict(model)
+    set_model_state_dict(model, full if rank == 0 else {}, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    out["from_rank0"] = full_state(model)
     # a checkpoint of another model: refused before the model is touched
     model, _, opt, _ = _sharded("awkward")
-    before = graphshard.full_state_dict(model)
+    before = full_state(model)
     out["wrong_model"] = _refused(lambda: graphshard.load_checkpoint(f"{root}/llama", model, opt))
     opt2 = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "scale"])
     out["wrong_groups"] = _refused(lambda: graphshard.load_checkpoint(f"{root}/awkward", model,
                                                                       opt2))
     out["untouched"] = all(torch.equal(before[k], v)
-                           for k, v in graphshard.full_state_dict(model).items())
+                           for k, v in full_state(model).items())
     return out
 
 
@@ -118,8 +127,9 @@ def world1(root: str) -> dict:
         if name == "awkward_w3":
             graphshard.save_checkpoint(f"{root}/awkward_w1", model, model.opt, step=3)
     model, _, _, _ = _sharded("awkward")
-    graphshard.load_full_state_dict(model, torch.load(f"{root}/awkward_full.pt"))
-    out["full"] = graphshard.full_state_dict(model)
+    set_model_state_dict(model, torch.load(f"{root}/awkward_full.pt"),
+                         options=StateDictOptions(full_state_dict=True))
+    out["full"] = full_state(model)
     return out
 
 
@@ -256,7 +266,7 @@ def test_full_state_dict_export_and_load(runs):
     assert_equal_state(saved, w2[0]["awkward"]["at3"]["params"], "torch.save file")
     for out in runs["w3"]:
         assert_equal_state(out["from_rank0"], saved, "from_rank0 at world 3")
-    assert_equal_state(runs["w1"]["full"], saved, "load_full_state_dict at world 1")
+    assert_equal_state(runs["w1"]["full"], saved, "set_model_state_dict at world 1")
     # a plain, unsharded model loads the export
     plain = build("awkward")
     plain.load_state_dict(saved)
@@ -297,7 +307,7 @@ def test_example_checkpoint_dir_and_resume(tmp_path, monkeypatch):
     assert sorted(p.name for p in Path(ckpt).iterdir()) == ["step_00000004"]
 
 
-def test_sharded_state_dict_on_a_2d_mesh_is_replicate_then_shard():
+def test_torch_state_dicts_on_a_2d_mesh_are_replicate_then_shard():
     from graph_utils import fake_process_group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -307,7 +317,7 @@ def test_sharded_state_dict_on_a_2d_mesh_is_replicate_then_shard():
     with fake_process_group(4, rank=3):  # replica 1, shard 1 of a (2, 2) HSDP mesh
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         model = graphshard.shard(OddMLP(), mesh)
-        sd = graphshard.sharded_state_dict(model)
+        sd = model.state_dict()
         weight = sd["layers.0.weight"]
         assert weight.placements == (Replicate(), Shard(0))
         assert weight.shape == (29, 13) and weight.to_local().shape == (14, 13)  # 15 + 14
@@ -316,7 +326,7 @@ def test_sharded_state_dict_on_a_2d_mesh_is_replicate_then_shard():
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()
-        osd = graphshard.sharded_optim_state_dict(model, opt)
+        osd = get_optimizer_state_dict(model, opt)
         state = osd["state"]["layers.0.weight"]
         assert state["exp_avg"].placements == (Replicate(), Shard(0))
         assert state["exp_avg"].shape == (29, 13) and state["step"].shape == ()

@@ -74,9 +74,10 @@ def test_bucket_module_outside_the_model():
             graphshard.shard(model, buckets=[nn.Linear(2, 2)])
 
 
-def test_full_state_dict_of_unsharded_model():
+def test_checkpoint_of_unsharded_model(tmp_path):
     with pytest.raises(ValueError, match="call graphshard.shard"):
-        graphshard.full_state_dict(nn.Linear(2, 2))
+        graphshard.save_checkpoint(tmp_path, nn.Linear(2, 2), step=1)
+    assert not any(tmp_path.iterdir())
 
 
 def test_unknown_backend_option_names_the_known_ones():

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_utils import Awkward, batch, build, launch, results
+from dist_utils import full_state
 from graph_utils import fake_process_group
 from torch import fx, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 import graphshard
 from graphshard.checkpoint import COMMIT_MARKER, latest_checkpoint
@@ -86,7 +89,7 @@ def _train_double(rank: int, world_size: int) -> float:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    full = graphshard.full_state_dict(model)
+    full = full_state(model)
     assert all(v.dtype == torch.float64 for v in full.values())
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
@@ -210,13 +213,13 @@ def test_replacing_a_parameter_after_shard_is_refused():
         layer = model.layers[0]
         with pytest.raises(graphshard.ShardedModelError,
                            match=r"assign to parameter 'layers.0.weight'.*before calling "
-                                 r"graphshard.shard\(\).*load_full_state_dict"):
+                                 r"graphshard.shard\(\).*set_model_state_dict"):
             layer.weight = nn.Parameter(torch.zeros(29, 13))
         with pytest.raises(graphshard.ShardedModelError, match="delete parameter 'layers.0.bias'"):
             del layer.bias
         with pytest.raises(graphshard.ShardedModelError, match="re-register"):
             layer.register_parameter("weight", nn.Parameter(torch.zeros(29, 13)))
-        assert layer._parameters["weight"] is shard_state(model).params[0].shard
+        assert layer._parameters["weight"] is shard_state(model).params[0].param
         layer.note = "other attributes are fine"
         assert layer.note == "other attributes are fine"
 
@@ -240,9 +243,10 @@ def test_to_dtype_after_shard_keeps_the_sharding():
         model = graphshard.shard(OddMLP()).to(torch.float64)
         state = shard_state(model)
         for entry in state.params:
-            assert entry.shard.dtype == torch.float64 and entry.shard.shape[0] == \
-                -(-entry.full_shape[0] // 2)
-        assert model.layers[0]._parameters["weight"] is state.params[0].shard
+            assert isinstance(entry.param, DTensor) and entry.param.dtype == torch.float64
+            assert entry.param.shape == entry.full_shape
+            assert entry.param.to_local().shape[0] == -(-entry.full_shape[0] // 2)  # rank 0
+        assert model.layers[0]._parameters["weight"] is state.params[0].param
         assert model.layers[0].weight.shape == (29, 13)  # reads still unshard
 
 
@@ -253,53 +257,48 @@ def test_to_with_new_parameter_objects_repoints_the_shards_and_keeps_ties():
     try:
         with fake_process_group(2):
             model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=True)))
-            before = [e.shard for e in shard_state(model).params]
+            before = [e.param for e in shard_state(model).params]
             hooks = [dict(p._backward_hooks or {}) for p in before]
             model.double()
             entries = shard_state(model).params
-            assert all(e.shard is not old for e, old in zip(entries, before, strict=True))
+            assert all(e.param is not old for e, old in zip(entries, before, strict=True))
             # gradient hooks graphshard put on the shards follow them to the new objects
-            assert [dict(e.shard._backward_hooks or {}) for e in entries] == hooks
+            assert [dict(e.param._backward_hooks or {}) for e in entries] == hooks
             assert model.tok_embeddings._parameters["weight"] is \
                 model.output._parameters["weight"]
             by_name = dict(model.named_parameters(remove_duplicate=False))
             for entry in entries:
                 for name in entry.names:
-                    assert by_name[name] is entry.shard and entry.shard.dtype == torch.float64
+                    assert by_name[name] is entry.param and entry.param.dtype == torch.float64
+                    assert isinstance(entry.param, DTensor)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
 
 
-def test_load_state_dict_with_full_tensors_points_to_load_full_state_dict():
+def test_load_state_dict_with_full_tensors_points_to_set_model_state_dict():
     with fake_process_group(2):
         full = OddMLP().state_dict()
         model = graphshard.shard(OddMLP())
+        before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         with pytest.raises(graphshard.ShardedModelError,
-                           match=r"full tensor \(29, 13\) for 'layers.0.weight'.*"
-                                 r"graphshard.load_full_state_dict"):
+                           match=r"plain tensor \(29, 13\) for 'layers.0.weight'.*"
+                                 r"set_model_state_dict.*full_state_dict=True"):
             model.load_state_dict(full)
-        model.load_state_dict(model.state_dict())  # its own (sharded) state dict still loads
+        assert all(torch.equal(before[k], v.to_local()) for k, v in model.state_dict().items())
+        model.load_state_dict(model.state_dict())  # its own (DTensor) state dict still loads
 
 
-def test_load_full_state_dict_names_mismatches_before_writing():
+def test_full_state_dict_of_another_model_is_refused_by_torch_naming_keys():
+    """torch's set_model_state_dict checks full state dicts: its error names the keys."""
     with fake_process_group(2):
         model = graphshard.shard(OddMLP())
-        before = {k: v.clone() for k, v in model.state_dict().items()}
         bad = OddMLP((13, 30, 7, 3)).state_dict()
         bad["extra.weight"] = bad.pop("layers.4.bias")
-        with pytest.raises(graphshard.StateDictMismatchError) as info:
-            graphshard.load_full_state_dict(model, bad)
+        with pytest.raises(RuntimeError) as info:
+            set_model_state_dict(model, bad, options=StateDictOptions(full_state_dict=True))
         msg = str(info.value)
-        assert "missing from the state (1): layers.4.bias" in msg
-        assert "not in the model (1): extra.weight" in msg
-        assert "layers.0.weight: state (30, 13) vs model (29, 13)" in msg
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        # a subset loads with strict=False: only those rows change
-        part = {"layers.0.bias": torch.arange(29.0)}
-        graphshard.load_full_state_dict(model, part, strict=False)
-        assert torch.equal(model.layers[0]._parameters["bias"], torch.arange(15.0))
-
-
+        assert 'Unexpected key(s) in state_dict: "extra.weight"' in msg
+        assert "size mismatch for layers.0.weight" in msg
 def test_latest_checkpoint_skips_incomplete_saves(tmp_path: Path):
     for name, committed in [("step_00000002", True), ("step_00000009", False),
                             (".tmp-step_00000011", True), ("step_00000004", True)]:

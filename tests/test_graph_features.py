@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from graph_utils import c10d, calls, fake_process_group
@@ -11,7 +9,7 @@ from test_graph_passes import TwoBlock
 from torch import nn
 
 import graphshard
-from passes.markers import shard_shape
+from passes.layout import Dim0Layout
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 
@@ -48,7 +46,7 @@ def test_frozen_parameters_are_gathered_but_never_reduced(world2):
     assert "blocks.0.down.weight" in reduced
     trainable = [p for p in TwoBlock().parameters()][2:]  # all but blocks.0.up
     rs_numel = sum(rs.args[0].meta["val"].numel() for rs in calls(stages["bw"], RS))
-    assert rs_numel == 2 * sum(math.prod(shard_shape(p.shape, 2)) for p in trainable)
+    assert rs_numel == 2 * sum(Dim0Layout(p.shape, 2).piece_numel for p in trainable)
     assert dict(model.named_parameters())["blocks.0.up.weight"].grad is None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import expecttest
@@ -21,7 +20,7 @@ from graph_utils import (
 from torch import nn
 
 import graphshard
-from passes.markers import shard_shape
+from passes.layout import Dim0Layout
 
 
 class Block(nn.Module):
@@ -294,8 +293,8 @@ def test_collectives_per_bucket(world2):
     gathers = calls(stages["fw"], c10d.all_gather_into_tensor.default)
     sizes = [g.args[0].meta["val"].numel() for g in gathers]
     block_params = [p for p in TwoBlock().blocks[0].parameters()]
-    per_block = sum(math.prod(shard_shape(p.shape, 2)) for p in block_params)
-    head = sum(math.prod(shard_shape(p.shape, 2)) for p in TwoBlock().head.parameters())
+    per_block = sum(Dim0Layout(p.shape, 2).piece_numel for p in block_params)
+    head = sum(Dim0Layout(p.shape, 2).piece_numel for p in TwoBlock().head.parameters())
     assert sizes == [per_block, per_block, head]
     total = sum(p.numel() for p in model.parameters())
     rs = calls(stages["bw"], c10d.reduce_scatter_tensor.default)
@@ -335,7 +334,7 @@ def test_non_neighbour_bucket_is_one_gather(world2):
     gathers = calls(stages["fw"], c10d.all_gather_into_tensor.default)
     assert len(gathers) == 2  # the group, then the rest (block 1)
     group_numel = sum(
-        math.prod(shard_shape(p.shape, 2))
+        Dim0Layout(p.shape, 2).piece_numel
         for m in (TwoBlock().blocks[0], TwoBlock().head)
         for p in m.parameters()
     )

@@ -8,7 +8,6 @@ a single-process reference. Structure: graph-level checks in this process on a f
 from __future__ import annotations
 
 import collections
-import math
 import warnings
 
 import pytest
@@ -34,7 +33,7 @@ from torch import fx
 import graphshard
 from graphshard.graph_breaks import GraphBreakWarning
 from passes.cost_model import all_gather_time
-from passes.markers import shard_shape
+from passes.layout import Dim0Layout
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 MODES = ("eager", "compiled")
@@ -135,7 +134,7 @@ def test_mixed_bucket_reduces_only_its_trainable_parameters(fake2):
     (reduce0,) = [n for n in calls(stages["bw"], RS) if n.meta["graphshard"]["bucket"] == 0]
     assert sorted(_params(reduce0)) == ["blocks.0.down.bias", "blocks.0.down.weight"]
     trainable = [p for n, p in Blocks().named_parameters() if n.startswith("blocks.0.down")]
-    numel = 2 * sum(math.prod(shard_shape(p.shape, 2)) for p in trainable)
+    numel = 2 * sum(Dim0Layout(p.shape, 2).piece_numel for p in trainable)
     assert reduce0.args[0].meta["val"].numel() == numel
     reduced = {n for rs in calls(stages["bw"], RS) for n in _params(rs)}
     assert "head.bias" not in reduced and "head.weight" in reduced
@@ -176,7 +175,7 @@ def test_checkpoint_reads_from_inside_and_outside_reduce_once_and_reshard(fake2)
     assert sorted(reduced) == sorted(names)
     full = dict(CheckpointTied().named_parameters())
     numel = sum(rs.args[0].meta["val"].numel() for rs in calls(stages["bw"], RS))
-    assert numel == 2 * sum(math.prod(shard_shape(p.shape, 2)) for p in full.values())
+    assert numel == 2 * sum(Dim0Layout(p.shape, 2).piece_numel for p in full.values())
     fw = stages["fw"]
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     assert not derived_from(*calls(fw, AG)) & set(outputs)  # the forward saves only shards
