@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -278,7 +279,8 @@ def shard(
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        mesh = DeviceMesh.from_group(group, device.type)
+        with unset_fake_temporarily():  # the mesh holds real rank ids, also when tracing
+            mesh = DeviceMesh.from_group(group, device.type)
     state = ShardState(
         group, world_size, rank, reshard_after_forward, mesh, bucket_names=bucket_names,
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,

@@ -47,8 +47,9 @@ def test_one_dimensional_mesh_is_accepted():
         mesh = init_device_mesh("cpu", (4,))
         model = graphshard.shard(nn.Linear(6, 4), mesh)
         shards = dict(model.named_parameters())
-        assert shards["weight"].shape == (1, 6)  # 4 rows over 4 ranks
-        assert shards["bias"].shape == (1,)
+        assert shards["weight"].shape == (4, 6) and shards["weight"].device_mesh is mesh
+        assert shards["weight"].to_local().shape == (1, 6)  # 4 rows over 4 ranks
+        assert shards["bias"].to_local().shape == (1,)
         assert model.weight.shape == (4, 6)  # attribute access unshards
 
 

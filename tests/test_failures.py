@@ -261,7 +261,8 @@ def test_to_with_new_parameter_objects_repoints_the_shards_and_keeps_ties():
             hooks = [dict(p._backward_hooks or {}) for p in before]
             model.double()
             entries = shard_state(model).params
-            assert all(e.param is not old for e, old in zip(entries, before, strict=True))
+            # torch makes new Parameter objects or (DTensors) swaps their contents in place:
+            # either way the record must point at what the module holds now (checked below)
             # gradient hooks graphshard put on the shards follow them to the new objects
             assert [dict(e.param._backward_hooks or {}) for e in entries] == hooks
             assert model.tok_embeddings._parameters["weight"] is \
