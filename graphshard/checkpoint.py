@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from graphshard.sharding import ShardState, shard_state
 
@@ -145,8 +146,8 @@ def _flat_state(module: nn.Module, optimizer) -> tuple[dict[str, Any], dict[str,
         for fqn, per in osd["state"].items():
             for key, value in per.items():
                 flat_key = f"{_OPTIM}{fqn}/{key}"
-                if isinstance(value, torch.Tensor):
-                    layout[flat_key] = "tensor"
+                if isinstance(value, torch.Tensor):  # "dtensor": laid out like its parameter
+                    layout[flat_key] = "dtensor" if isinstance(value, DTensor) else "tensor"
                     flat[flat_key] = value
                 else:
                     layout[flat_key] = "object"
@@ -393,7 +394,7 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
             bad.append(f"{key}: not a parameter of the optimizer")
         elif kind != "object" and shape is None:
             bad.append(f"{key}: missing from the checkpoint's tensors")
-        elif kind != "object" and shape not in (full_shape[fqn], ()):
+        elif kind in _DTENSOR_KINDS and shape != full_shape[fqn]:
             bad.append(f"{key}: checkpoint {shape} vs model {full_shape[fqn]}")
     if bad:
         raise CheckpointMismatchError(
@@ -402,13 +403,18 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
         )
 
 
-def _empty_like_saved(md, param: torch.Tensor) -> torch.Tensor:
-    """A fresh tensor to read a saved entry into: laid out like ``param`` (a DTensor of the
-    same spec) for per-parameter state, a CPU scalar for ``step``."""
-    if len(md.size) == 0:  # ``step``: on the CPU, where optimizers keep it by default;
-        # loading moves it for capturable/fused ones
-        return torch.empty((), dtype=md.properties.dtype)
-    return torch.empty_like(param, dtype=md.properties.dtype)
+# Optimizer entry kinds in ``graphshard.pt``: laid out like the parameter (a DTensor), a plain
+# tensor (``step``), a non-tensor object. Format 1 called the first two sharded and scalar.
+_DTENSOR_KINDS, _TENSOR_KINDS = ("dtensor", "sharded"), ("tensor", "scalar")
+
+
+def _empty_like_saved(md, kind: str, param: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor to read a saved optimizer entry into: a DTensor of ``param``'s spec
+    for per-parameter state, else a plain tensor on the CPU (``step``, where optimizers keep
+    it by default; loading moves it for capturable/fused ones)."""
+    if kind in _DTENSOR_KINDS:
+        return torch.empty_like(param, dtype=md.properties.dtype)
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 
 def load_checkpoint(
@@ -446,9 +452,9 @@ def load_checkpoint(
     if optimizer is not None:
         param_of = {e.names[0]: e.param for e in state.params}
         for key, kind in meta["layout"].items():
-            if kind != "object":  # "tensor" (format 1: "sharded" or "scalar")
+            if kind != "object":
                 fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
-                targets[key] = _empty_like_saved(saved[key], param_of[fqn])
+                targets[key] = _empty_like_saved(saved[key], kind, param_of[fqn])
     dcp.load(targets, checkpoint_id=str(path), process_group=process_group)
 
     set_model_state_dict(root_module, {name: targets[_MODEL + name] for name in live})

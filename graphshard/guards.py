@@ -126,6 +126,8 @@ def _refuse_plain_tensors(module, state_dict, prefix, *args: Any) -> None:
 
     state = shard_state(module)
     for entry in state.params:
+        if len(entry.full_shape) == 0:  # replicated: a plain 0-D value is the full value
+            continue  # (torch's broadcast_from_rank0 hands scalars over as plain tensors)
         for name in entry.names:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):

@@ -197,10 +197,11 @@ def train(kind: str, run: nn.Module, opt, sched, steps: range) -> list[float]:
 
 
 def full_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state with every sharded tensor gathered to its full shape."""
+    """A snapshot of the optimizer state, every DTensor gathered to its full shape (cloned:
+    a replicated one's full tensor is its live local tensor)."""
     osd = get_optimizer_state_dict(model, opt)
     return {
-        fqn: {k: v.full_tensor() if isinstance(v, DTensor) else _copy(v) for k, v in per.items()}
+        fqn: {k: _copy(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in per.items()}
         for fqn, per in osd["state"].items()
     }
 

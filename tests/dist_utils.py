@@ -47,7 +47,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state dict through torch's own API, as a user gets it."""
+    """A snapshot of the model's full (unsharded) state dict through torch's own API.
+
+    Cloned: for a replicated (0-D) parameter torch returns the live local tensor, which the
+    optimizer then updates in place.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in full.items()}

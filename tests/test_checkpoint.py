@@ -251,7 +251,7 @@ def test_mismatched_checkpoint_is_refused_before_loading(runs):
     for out in runs["w3"]:  # every rank refuses on its own: none waits in a collective
         msg = out["wrong_model"]
         assert msg.startswith("CheckpointMismatchError")
-        assert "missing from the checkpoint (8): scale, shift, mix, proj.weight" in msg
+        assert "missing from the checkpoint (8): scale, shift, mix, offset, proj.weight" in msg
         assert "not in the model" in msg and "layers.0.attention.wq.weight" in msg
         assert "param_groups[0]" in out["wrong_groups"] and "'scale'" in out["wrong_groups"]
         assert out["untouched"]
