@@ -1,0 +1,372 @@
+"""Rank jobs for ``test_torch_idioms``: torch's own idioms, written as a user writes them,
+run on a ``graphshard.shard``-ed model, plus the single-process references they must match.
+
+Every rank builds the same model (same seed), shards it, and runs each job in "eager" mode
+(the sharded module called directly) and "compiled" mode (``torch.compile(model,
+backend="graphshard")``; the idioms then go through the compiled wrapper, as a user who
+writes ``model = torch.compile(model)`` calls them). Ranks return plain tensors only.
+
+The reference runs every rank's batch in one process and averages the per-rank losses, so
+its gradient is the average the reduce-scatter (and, on HSDP, the all-reduce) computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import graphshard
+
+MODES = ("eager", "compiled")
+OPTIMIZERS = ("sgd", "adam", "adamw", "adamw_fused")
+SEED, OTHER_SEED = 1234, 99
+TRAIN_STEPS = 3  # item 3: steps per optimizer
+RESUME_AT, RESUME_STEPS = 2, 2  # item 5: state dicts taken after 2 steps, then 2 more
+MAX_NORM = 0.05  # below the reference gradient norm: clip_grad_norm_ clips
+CLIP_VALUE = 0.004  # below the largest clipped gradient entry: clip_grad_value_ clips
+FULL = StateDictOptions(full_state_dict=True)
+
+
+class OddNet(nn.Module):
+    """Odd shapes: Linear(13, 30) and Linear(30, 7), a 3-D ``mix`` (5 rows: 2+2+1 at world
+    3), a ``shift`` of 2 rows (rank 2 of 3 holds none) and a 0-D ``scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 30)
+        self.fc2 = nn.Linear(30, 7)
+        self.mix = nn.Parameter(torch.randn(5, 7, 3) * 0.3)
+        self.shift = nn.Parameter(torch.randn(2, 3) * 0.1)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        out = torch.einsum("bj,kjc->bkc", h, self.mix)
+        return self.scale * out + self.shift.sum(0)
+
+
+def build(seed: int = SEED) -> nn.Module:
+    """A fresh ``OddNet`` with its parameters drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return OddNet()
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s (input, target) at ``step``: 3 rows, the same in every process."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(3, 13, generator=gen), torch.randn(3, 5, 3, generator=gen)
+
+
+def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean squared error of ``model`` on one batch."""
+    x, y = data
+    return nn.functional.mse_loss(model(x), y)
+
+
+def make_optimizer(name: str, params) -> tuple[torch.optim.Optimizer, object]:
+    """Optimizer ``name`` over ``params`` with its LR scheduler."""
+    sched = torch.optim.lr_scheduler
+    if name == "sgd":
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return opt, sched.StepLR(opt, step_size=2, gamma=0.5)
+    if name == "adam":
+        opt = torch.optim.Adam(params, lr=0.01, foreach=True)
+        return opt, sched.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    if name == "adamw":
+        opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True)
+        return opt, sched.StepLR(opt, step_size=1, gamma=0.7)
+    if name == "adamw_fused":
+        opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
+        return opt, sched.LambdaLR(opt, lambda step: 0.8**step)
+    raise ValueError(name)
+
+
+def resume_optimizer(params) -> torch.optim.Optimizer:
+    """The optimizer of the resume test (item 5)."""
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of ``t``: its full tensor when it is a DTensor."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().clone()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of this rank's part of ``t`` (``t`` itself when it is not a DTensor)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.detach().clone()
+
+
+def describe(t: torch.Tensor | None) -> dict | None:
+    """What a (possibly DTensor) tensor is, in plain values."""
+    if t is None:
+        return None
+    mesh = getattr(t, "device_mesh", None)
+    return {
+        "dtensor": isinstance(t, DTensor),
+        "placements": tuple(getattr(t, "placements", ())),
+        "mesh_shape": None if mesh is None else tuple(mesh.shape),
+        "shape": tuple(t.shape),
+        "numel": t.numel(),
+        "local": local(t),
+    }
+
+
+def full_state(model: nn.Module, **options) -> dict[str, torch.Tensor]:
+    """``get_model_state_dict(model, full_state_dict=True, ...)`` with plain copied values."""
+    opts = StateDictOptions(full_state_dict=True, **options)
+    return {k: full(v) for k, v in get_model_state_dict(model, options=opts).items()}
+
+
+def make_mesh(world_size: int, hsdp: bool):
+    """None (shard across the default group) or a (replicate, shard) HSDP mesh."""
+    if not hsdp:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_coords(rank: int, world_size: int, mesh) -> tuple[int, int]:
+    """(this rank's index in its shard group, the shard group's size), from torch's mesh."""
+    if mesh is None:
+        return rank, world_size
+    return mesh.get_local_rank("shard"), mesh.size(1)
+
+
+def sharded(mode: str, mesh, seed: int = SEED) -> tuple[nn.Module, nn.Module]:
+    """(the sharded module, what the user calls: itself or its compiled wrapper)."""
+    net = graphshard.shard(build(seed), mesh)
+    model = torch.compile(net, backend="graphshard") if mode == "compiled" else net
+    return net, model
+
+
+def train(model, opt, sched, steps, rank: int) -> list[float]:
+    """The user's loop over ``steps``; this rank's losses."""
+    losses = []
+    for step in steps:
+        loss = loss_fn(model, batch(step, rank))
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# --------------------------------------------------------------------------- rank jobs
+
+
+def job_basics(rank: int, world_size: int, mesh, mode: str, inf_norm: bool) -> dict:
+    """Items 1 and 2: parameters and gradients are DTensors; clipping and norms.
+
+    ``inf_norm`` only where every rank holds rows of every parameter: torch's
+    ``_foreach_norm`` refuses the infinity norm of an empty local shard (FSDP2 alike).
+    """
+    net, model = sharded(mode, mesh)
+    out: dict = {
+        "names": [n for n, _ in net.named_parameters()],
+        "numel": sum(p.numel() for p in model.parameters()),
+        "params": {n: describe(p) for n, p in net.named_parameters()},
+    }
+    loss_fn(model, batch(0, rank)).backward()
+    out["grads"] = {n: describe(p.grad) for n, p in net.named_parameters()}
+    out["grads_full"] = {n: full(p.grad) for n, p in net.named_parameters()}
+    grads = [p.grad for p in model.parameters()]
+    out["total_norm"] = full(torch.nn.utils.get_total_norm(grads))
+    if inf_norm:
+        inf = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
+        out["total_norm_inf"] = full(inf)
+    out["clip_norm"] = full(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    out["clipped"] = {n: full(p.grad) for n, p in net.named_parameters()}
+    torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+    out["value_clipped"] = {n: full(p.grad) for n, p in net.named_parameters()}
+    model.zero_grad()
+    out["grads_after_zero_grad"] = [p.grad for p in model.parameters()]
+    return out
+
+
+def job_optim(rank: int, world_size: int, mesh, mode: str, save_dir: str | None) -> dict:
+    """Item 3 (every optimizer with its scheduler); with ``save_dir``, item 4's save and a
+    same-world reload: the SGD-trained model goes through ``dcp.save(model.state_dict())``
+    and a fresh model (another seed) loads it with ``dcp.load`` + ``load_state_dict``."""
+    out: dict = {}
+    for name in OPTIMIZERS:
+        _, model = sharded(mode, mesh)
+        opt, sched = make_optimizer(name, model.parameters())
+        losses = train(model, opt, sched, range(TRAIN_STEPS), rank)
+        out[name] = {"losses": losses, "state": full_state(model)}
+        if name == "sgd" and save_dir is not None:
+            sd = model.state_dict()
+            out["saved_types"] = {k: describe(v) for k, v in sd.items()}
+            dcp.save(sd, checkpoint_id=f"{save_dir}/{mode}")
+            out["saved"] = full_state(model)
+            out["reloaded"] = dcp_load(rank, world_size, mesh, mode, save_dir)
+    return out
+
+
+def dcp_load(rank: int, world_size: int, mesh, mode: str, save_dir: str) -> dict:
+    """Item 4: a fresh model (another seed) loads the checkpoint as torch documents it."""
+    _, model = sharded(mode, mesh, seed=OTHER_SEED)
+    before = full_state(model)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=f"{save_dir}/{mode}")
+    result = model.load_state_dict(sd)
+    with torch.no_grad():
+        loss = loss_fn(model, batch(7, rank)).item()
+    return {
+        "before": before,
+        "state": full_state(model),
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+        "loss": loss,
+    }
+
+
+def _optim_full(model, opt) -> dict:
+    osd = get_optimizer_state_dict(model, opt, options=FULL)
+    return {k: {s: full(v) for s, v in st.items()} for k, st in osd["state"].items()}
+
+
+def job_state_dict(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """Item 5: ``get_model_state_dict`` full / sharded / offloaded."""
+    _, model = sharded(mode, mesh)
+    offload = StateDictOptions(cpu_offload=True)
+    return {
+        "full": full_state(model),
+        "sharded": {k: describe(v) for k, v in get_model_state_dict(model).items()},
+        "sharded_offload": {
+            k: describe(v) for k, v in get_model_state_dict(model, options=offload).items()
+        },
+        "full_offload": full_state(model, cpu_offload=True),  # rank 0 only
+    }
+
+
+def job_broadcast(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """Item 5: ``set_model_state_dict`` of rank 0's full state dict, broadcast."""
+    full_sd = build().state_dict() if rank == 0 else {}
+    _, model = sharded(mode, mesh, seed=OTHER_SEED)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_sd, options=options)
+    return {"state": full_state(model)}
+
+
+def job_resume(rank: int, world_size: int, mesh, mode: str, full_flag: bool) -> dict:
+    """Item 5: train 2 steps, take model and optimizer state dicts (``full_state_dict`` =
+    ``full_flag``), train 2 more; a fresh model and optimizer (another seed) load them and
+    train the same 2 steps."""
+    opts = StateDictOptions(full_state_dict=full_flag)
+    _, model = sharded(mode, mesh)
+    opt = resume_optimizer(model.parameters())
+    out: dict = {"first": train(model, opt, None, range(RESUME_AT), rank)}
+    # Copies, as a checkpoint holds them: training goes on in place.
+    msd = copy.deepcopy(get_model_state_dict(model, options=opts))
+    osd = copy.deepcopy(get_optimizer_state_dict(model, opt, options=opts))
+    out["optim_at_resume"] = _optim_full(model, opt)
+    out["msd_types"] = {k: describe(v) for k, v in msd.items()}
+    out["osd_types"] = {
+        k: {s: describe(v) if torch.is_tensor(v) else v for s, v in st.items()}
+        for k, st in osd["state"].items()
+    }
+    steps = range(RESUME_AT, RESUME_AT + RESUME_STEPS)
+    out["continued"] = train(model, opt, None, steps, rank)
+    out["continued_state"] = full_state(model)
+
+    _, model = sharded(mode, mesh, seed=OTHER_SEED)
+    opt = resume_optimizer(model.parameters())
+    set_model_state_dict(model, msd, options=opts)
+    set_optimizer_state_dict(model, opt, osd, options=opts)
+    out["resumed_optim"] = _optim_full(model, opt)
+    out["resumed"] = train(model, opt, None, steps, rank)
+    out["resumed_state"] = full_state(model)
+    return out
+
+
+JOBS: dict[str, Callable[..., dict]] = {
+    "basics": job_basics,
+    "optim": job_optim,
+    "dcp_load": dcp_load,  # item 4 at another world size / mesh: the world-2 checkpoint
+    "state_dict": job_state_dict,
+    "broadcast": job_broadcast,
+    "resume_full": functools.partial(job_resume, full_flag=True),
+    "resume_sharded": functools.partial(job_resume, full_flag=False),
+}
+
+
+def run_jobs(rank: int, world_size: int, hsdp: bool, jobs: list[tuple]) -> dict:
+    """Entry point of each rank: run every ``(job, mode, *args)`` in turn.
+
+    A job that raises records its traceback under ``"error"`` (the tests fail with it), so
+    one broken idiom does not hide the results of the others.
+    """
+    torch.manual_seed(0)
+    mesh = make_mesh(world_size, hsdp)
+    coords = shard_coords(rank, world_size, mesh)
+    results: dict = {"shard_coords": coords}
+    counters = torch._dynamo.utils.counters
+    stats = counters["stats"]
+    for name, mode, *args in jobs:
+        torch._dynamo.reset()
+        graphs, breaks = stats["unique_graphs"], sum(counters["graph_break"].values())
+        try:
+            results[(name, mode)] = JOBS[name](rank, world_size, mesh, mode, *args)
+        except (Exception, CheckpointException):  # DCP's is a BaseException
+            results[(name, mode)] = {"error": traceback.format_exc()}
+        results[(name, mode)]["graphs"] = stats["unique_graphs"] - graphs  # Dynamo graphs
+        results[(name, mode)]["breaks"] = sum(counters["graph_break"].values()) - breaks
+        dist.barrier()
+    return results
+
+
+# --------------------------------------------------------------------------- references
+
+
+def reference_grads(world: int) -> tuple[nn.Module, torch.Tensor]:
+    """The plain model after one backward of the rank-averaged loss of step 0."""
+    model = build()
+    loss = sum(loss_fn(model, batch(0, r)) for r in range(world)) / world
+    loss.backward()
+    return model, loss
+
+
+def reference_train(model: nn.Module, opt, sched, steps, world: int) -> list[float]:
+    """The plain loop on every rank's batch; the rank-averaged losses."""
+    losses = []
+    for step in steps:
+        loss = sum(loss_fn(model, batch(step, r)) for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain model's state dict, detached copies."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
