@@ -166,9 +166,14 @@ def sharded(mode: str, mesh, seed: int = SEED) -> tuple[nn.Module, nn.Module]:
 
 def train(model, opt, sched, steps, rank: int) -> list[float]:
     """The user's loop over ``steps``; this rank's losses."""
+    return _loop(model, opt, sched, steps, [rank])
+
+
+def _loop(model, opt, sched, steps, ranks: list[int]) -> list[float]:
+    """The training loop on the batches of ``ranks`` (their losses averaged) per step."""
     losses = []
     for step in steps:
-        loss = loss_fn(model, batch(step, rank))
+        loss = sum(loss_fn(model, batch(step, r)) for r in ranks) / len(ranks)
         loss.backward()
         opt.step()
         if sched is not None:
@@ -355,16 +360,7 @@ def reference_grads(world: int) -> tuple[nn.Module, torch.Tensor]:
 
 def reference_train(model: nn.Module, opt, sched, steps, world: int) -> list[float]:
     """The plain loop on every rank's batch; the rank-averaged losses."""
-    losses = []
-    for step in steps:
-        loss = sum(loss_fn(model, batch(step, r)) for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _loop(model, opt, sched, steps, list(range(world)))
 
 
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
