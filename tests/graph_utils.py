@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import fx
 
@@ -49,8 +51,19 @@ def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Nod
 
 
 def graph_text(gm: fx.GraphModule, group_name: str) -> str:
-    """The readable graph without comments or file paths, with the group name as ``G``."""
+    """The readable graph without comments or file paths, with the group name as ``G``.
+
+    Non-tensor graph inputs (the opaque device-mesh objects AOTAutograd passes along with
+    each DTensor parameter) are left out of the signature and of the returned tuples: which
+    of them the partitioner keeps depends on what ran before in the process.
+    """
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     lines = [ln.rstrip() for ln in code.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.lstrip().startswith("#")]
+    opaque = [n.name for n in gm.graph.find_nodes(op="placeholder")
+              if not isinstance(n.meta.get("val"), torch.Tensor)]
+    if opaque:
+        names = re.compile(r",? ?\b(?:" + "|".join(map(re.escape, opaque)) + r")\b(?=[,)])")
+        lines = [names.sub("", ln) if ln.lstrip().startswith(("def forward", "return ("))
+                 else ln for ln in lines]
     return "\n".join(lines).replace(f"'{group_name}'", "'G'") + "\n"

@@ -72,7 +72,7 @@ class LoweredGraphs(expecttest.TestCase):
             bw = graph_text(stages["bw"], group.group_name)
         self.assertExpectedInline(fw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[6, 8]", primals_2, primals_3: "f32[6]", primals_4, primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_7, primals_8: "f32[4]", primals_9, primals_10: "f32[6, 8]", primals_11, primals_12: "f32[6]", primals_13, primals_14: "f32[4, 12]", primals_15, primals_16: "f32[4]", primals_17, primals_18: "f32[2, 8]", primals_19, primals_20: "f32[2]", primals_21):
+    def forward(self, primals_1: "f32[6, 8]", primals_3: "f32[6]", primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_8: "f32[4]", primals_10: "f32[6, 8]", primals_12: "f32[6]", primals_14: "f32[4, 12]", primals_16: "f32[4]", primals_18: "f32[2, 8]", primals_20: "f32[2]"):
         view_default: "f32[48]" = torch.ops.aten.view.default(primals_1, [-1]);  primals_1 = None
         view_default_1: "f32[6]" = torch.ops.aten.view.default(primals_3, [-1]);  primals_3 = None
         view_default_2: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1])
@@ -142,11 +142,11 @@ class GraphModule(torch.nn.Module):
         permute_4: "f32[8, 3]" = torch.ops.aten.permute.default(slice_tensor_9, [1, 0]);  slice_tensor_9 = None
         addmm_4: "f32[4, 3]" = torch.ops.aten.addmm.default(slice_tensor_11, add_1, permute_4);  slice_tensor_11 = None
         permute_5: "f32[3, 8]" = torch.ops.aten.permute.default(permute_4, [1, 0]);  permute_4 = None
-        return (addmm_4, primals_5, primals_6, primals_10, primals_14, relu, add, relu_1, add_1, permute_5, primals_2)
+        return (addmm_4, primals_5, primals_6, primals_10, primals_14, relu, add, relu_1, add_1, permute_5)
 """)
         self.assertExpectedInline(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_10: "f32[6, 8]", primals_14: "f32[4, 12]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", permute_5: "f32[3, 8]", primals_2, tangents_1: "f32[4, 3]"):
+    def forward(self, primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_10: "f32[6, 8]", primals_14: "f32[4, 12]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", permute_5: "f32[3, 8]", tangents_1: "f32[4, 3]"):
         view_default: "f32[48]" = torch.ops.aten.view.default(primals_14, [-1]);  primals_14 = None
         view_default_1: "f32[48]" = torch.ops.aten.view.default(primals_10, [-1]);  primals_10 = None
         cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default, view_default_1]);  view_default = view_default_1 = None
@@ -277,7 +277,7 @@ class GraphModule(torch.nn.Module):
         view_default_38: "f32[6]" = torch.ops.aten.view.default(slice_tensor_10, [6]);  slice_tensor_10 = None
         slice_tensor_11: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
         view_default_39: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_11, [6, 8]);  slice_tensor_11 = None
-        return (view_default_39, primals_2, view_default_38, primals_2, None, view_default_37, primals_2, view_default_36, primals_2, view_default_26, primals_2, view_default_25, primals_2, view_default_24, primals_2, view_default_23, primals_2, view_default_13, primals_2, view_default_12, primals_2)
+        return (view_default_39, view_default_38, None, view_default_37, view_default_36, view_default_26, view_default_25, view_default_24, view_default_23, view_default_13, view_default_12)
 """)
 
 
