@@ -8,6 +8,10 @@ before the first collective graphshard compares, across the ranks of the shardin
 
 - at :func:`graphshard.shard`: world size, every parameter (names, full shape, dtype,
   bucket), the bucket names and the sharding options (:func:`shard_fingerprint`);
+- at :func:`graphshard.shard`, the values every rank holds (a hash of each parameter's
+  bytes, before sharding; :func:`check_shard_values`): each rank keeps its rows of its own
+  copy, so copies that differ (different seeds, a model ``to_empty``'d before ``shard()``)
+  would make a model no rank built;
 - at the first compile of a graph: the backend's plan options and every ``unshard`` marker
   of the graph (name, shape, dtype, bucket, policy) (:func:`graph_fingerprint`).
 
@@ -37,6 +41,7 @@ __all__ = [
     "graph_fingerprint",
     "compare_across_ranks",
     "check_shard_plan",
+    "check_shard_values",
     "check_compile_plan",
 ]
 
@@ -164,8 +169,18 @@ def describe_differences(fps: list[dict[str, str]], ranks: list[int], limit: int
     return "\n  ".join(lines)
 
 
+_DIFFERENT_COLLECTIVES = (
+    "so they would issue different collectives (a hang or silently wrong results); stopped "
+    "before the first one"
+)
+
+
 def compare_across_ranks(
-    fp: Mapping[str, str], group: dist.ProcessGroup | None, what: str, fix: str
+    fp: Mapping[str, str],
+    group: dist.ProcessGroup | None,
+    what: str,
+    fix: str,
+    consequence: str = _DIFFERENT_COLLECTIVES,
 ) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all ranks hold the
     same fingerprint. A collective over ``group`` (skipped on fake groups and world size 1)."""
@@ -180,8 +195,7 @@ def compare_across_ranks(
     dist.all_gather_object(fps, dict(fp), group=group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     raise PlanMismatchError(
-        f"graphshard: the {what} differs between ranks, so they would issue different "
-        f"collectives (a hang or silently wrong results); stopped before the first one.\n  "
+        f"graphshard: the {what} differs between ranks, {consequence}.\n  "
         f"{describe_differences(fps, ranks)}\n{fix}"
     )
 
@@ -201,6 +215,33 @@ def check_shard_plan(state: Any) -> None:
             fp, group, "sharded model",
             "Every rank must build the same model (same shapes and dtypes) and call "
             "graphshard.shard() with the same buckets and options.",
+        )
+
+
+def value_digest(tensor: torch.Tensor) -> str:
+    """A hash of a tensor's bytes (NaNs and uninitialised memory included)."""
+    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def check_shard_values(state: Any, params: list[tuple[torch.Tensor, str]]) -> None:
+    """Compare the values of the full ``(parameter, name)`` pairs across the sharding
+    group(s) before they are sharded; meta parameters have none and are left out."""
+    groups = [g for g in _groups_of(state) if not _skip(g)]
+    if not groups:
+        return
+    values = {f"values of {name!r}": value_digest(p) for p, name in params if not p.is_meta}
+    for group in groups:
+        compare_across_ranks(
+            values, group, "parameter values given to graphshard.shard()",
+            "Each rank keeps its rows of its own copy, so every rank must hold the same "
+            "values: seed identically (torch.manual_seed) before building the model, or "
+            "build it under torch.device('meta'), call graphshard.shard(), then "
+            "model.to_empty(device=...) and initialise it (reset_parameters() / "
+            "init_weights()) or load it (dcp.load, set_model_state_dict). A model "
+            "to_empty'd before shard() holds uninitialised memory.",
+            "so the sharded model would be a mix of copies no rank holds; stopped before "
+            "sharding",
         )
 
 

@@ -4,7 +4,10 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
 
 - **Replacing a parameter** (``model.fc.weight = nn.Parameter(...)``, ``del``,
   ``register_parameter``) raises: ``nn.Module.__setattr__`` would put the full tensor where
-  the shard lives, and the next read would gather it as if it were a shard.
+  the shard lives, and the next read would gather it as if it were a shard. A DTensor
+  Parameter laid out like the one it replaces (same mesh, placements, shape, dtype) is
+  taken, and the record follows it: ``load_state_dict(assign=True)`` and torch's
+  ``set_model_state_dict`` on a meta model assign such parameters.
 - **An optimizer on the pre-shard parameters** raises at its first ``step()``: the
   parameters ``shard()`` replaced are marked, and a global optimizer step pre-hook refuses
   them (they would never receive a gradient: training would silently do nothing).
@@ -17,7 +20,8 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
   any world size once DCP has resharded them); a plain tensor for a parameter raises, naming
   ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` (DTensor's own error
   would not say what to call).
-- The plan fingerprint is compared across ranks (:mod:`graphshard.fingerprint`).
+- The plan fingerprint and the parameters' values are compared across ranks
+  (:mod:`graphshard.fingerprint`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from graphshard.fingerprint import check_shard_plan
+from graphshard.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = ["collect_originals", "after_shard", "ShardedModelError"]
 
@@ -54,6 +58,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
         _guard_class(type(sub))
     module.register_load_state_dict_pre_hook(_refuse_plain_tensors)
     check_shard_plan(state)
+    check_shard_values(state, originals)
 
 
 # --------------------------------------------------------------------------- parameter writes
@@ -79,8 +84,12 @@ def _guard_class(cls: type) -> None:
         return
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in (self.__dict__.get("_graphshard_specs") or ()):
-            _refuse_replace(self, name, "assign to")
+        specs = self.__dict__.get("_graphshard_specs") or {}
+        if name in specs:
+            if not _same_layout(self._parameters[name], value):
+                _refuse_replace(self, name, "assign to")
+            _follow(self, name, specs[name][0], self._parameters[name], value)
+            return
         super(cls, self).__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -99,16 +108,9 @@ def _guard_class(cls: type) -> None:
         before = {pname: self._parameters[pname] for pname in entries}
         out = super(cls, self)._apply(fn, recurse)
         for pname, old in before.items():
-            new, entry = self._parameters[pname], entries[pname]
-            if new is old:
-                continue
-            if entry.param is old:  # first owner converted: the record follows
-                for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-                    if getattr(old, hooks, None):
-                        setattr(new, hooks, getattr(old, hooks))
-                entry.param = new
-            else:  # a tied owner already converted it: share that one Parameter
-                self._parameters[pname] = entry.param
+            new = self._parameters[pname]
+            if new is not old:
+                _follow(self, pname, entries[pname], old, new)
         return out
 
     cls.__setattr__ = __setattr__
@@ -116,6 +118,31 @@ def _guard_class(cls: type) -> None:
     cls.register_parameter = register_parameter
     cls._apply = _apply
     cls._graphshard_guarded = True
+
+
+def _same_layout(old: nn.Parameter, new: Any) -> bool:
+    """Whether ``new`` can stand in for the sharded ``old``: a DTensor Parameter of the same
+    mesh, placements, shape and dtype (what ``load_state_dict(assign=True)`` and torch's
+    ``set_model_state_dict`` on a meta model put there)."""
+    return (
+        isinstance(new, nn.Parameter)
+        and isinstance(new, DTensor)
+        and isinstance(old, DTensor)
+        and new.device_mesh == old.device_mesh
+        and tuple(new.placements) == tuple(old.placements)
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+    )
+
+
+def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: nn.Parameter):
+    """Re-point the sharding record from ``old`` to ``new``, keeping tied parameters tied."""
+    if entry.param is old:  # the first owner to change: the record follows
+        for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            if getattr(old, hooks, None):
+                setattr(new, hooks, getattr(old, hooks))
+        entry.param = new
+    module._parameters[pname] = entry.param  # a tied owner shares that one Parameter
 
 
 # --------------------------------------------------------------------------- load_state_dict

@@ -4,17 +4,26 @@ Each parameter becomes an ``nn.Parameter`` wrapping a ``DTensor`` of the full sh
 ``Shard(0)`` on the shard mesh (``(Replicate(), Shard(0))`` on an HSDP mesh; a 0-D
 parameter is replicated); its local tensor is this rank's rows as ``torch.chunk`` lays them
 out (``passes.layout``). So ``parameters()``, optimizers, ``state_dict()``, DCP and torch's
-utilities (``clip_grad_norm_``, ``numel()``) see sharded parameters with their global
-shapes, and gradients arrive as DTensors with the same placements. Attribute access
-(``self.weight``) goes through a per-instance subclass whose property returns
-``unshard(param.to_local())``: eagerly that all-gathers, and under ``torch.compile`` it
-leaves a marker node that the passes lower into bucketed collectives.
+utilities (``clip_grad_norm_``, ``numel()``, ``nn.init``) see sharded parameters with their
+global shapes, and gradients arrive as DTensors with the same placements.
+
+Attribute access (``self.weight``) goes through a per-instance subclass whose property
+returns, as with FSDP2, the sharded DTensor parameter outside the model's forward (so a
+module's ``reset_parameters()`` initialises the shards) and ``unshard(param.to_local())``
+inside it: eagerly that all-gathers, and under ``torch.compile`` it leaves a marker node that
+the passes lower into bucketed collectives. Inside means: between the forward pre-hook and
+forward hook of the sharded root or any of its submodules, in a backward (activation
+checkpointing recomputes there), or while Dynamo traces.
+
+A model built on the meta device shards without allocating: each local tensor is a meta
+tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only those.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from graphshard import guards, ops  # noqa: F401  (registers the eager kernels)
+from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
 from graphshard.mixed_precision import MixedPrecision, install_casts
 from passes.layout import Dim0Layout
 from passes.markers import UNSHARD, GradSync
@@ -34,6 +43,7 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_graphshard_state"
+random_init.install()  # nn.init on CPU DTensors: the same values at any world size
 
 
 @dataclass
@@ -72,6 +82,7 @@ class ShardState:
     mixed_precision: MixedPrecision | None = None
     sync: int = GradSync.FULL  # where this micro-batch's gradients go (see GradSync)
     folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
+    forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
 
     @property
     def group_name(self) -> str:
@@ -120,6 +131,41 @@ def _resolve_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         ". Pass init_device_mesh(device, (world_size,)) or init_device_mesh(device, "
         "(replicas, shards), mesh_dim_names=('replicate', 'shard')), or a slice of your mesh."
     )
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a group's collectives run on: cuda for NCCL, the CPU for gloo (and the
+    fake group of offline tracing), else the current accelerator."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda")
+    if backend in ("gloo", "fake") or torch.accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    return torch.accelerator.current_accelerator()
+
+
+def _enter_forward(state: ShardState):
+    def hook(module: nn.Module, args: Any) -> None:
+        state.forward_depth += 1
+
+    return hook
+
+
+def _exit_forward(state: ShardState):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        state.forward_depth -= 1
+
+    return hook
+
+
+def _track_forwards(module: nn.Module, state: ShardState) -> None:
+    """Count running forwards of ``module`` and every submodule holding parameters, so
+    attribute reads inside them gather (``always_call``: an exception unwinds the count)."""
+    enter, leave = _enter_forward(state), _exit_forward(state)
+    for sub in module.modules():
+        if sub is module or next(sub.parameters(), None) is not None:
+            sub.register_forward_pre_hook(enter)
+            sub.register_forward_hook(leave, always_call=True)
 
 
 def _main_block_list(module: nn.Module) -> nn.Module | None:
@@ -199,6 +245,15 @@ def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, rank: int) -> nn.Par
 
 def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
     """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
+    if shard.is_meta:
+        raise guards.ShardedModelError(
+            f"Parameter {entry.names[0]!r} is still on the meta device: a model built under "
+            "torch.device('meta') and sharded has no values yet. Call "
+            "model.to_empty(device=...) and then initialise it (model.init_weights() or each "
+            "module's reset_parameters()) or load it (dcp.load(model.state_dict(), ...) or "
+            "set_model_state_dict(..., StateDictOptions(full_state_dict=True, "
+            "broadcast_from_rank0=True))) before running it."
+        )
     if not shard.requires_grad:
         return UNSHARD(shard, *spec)
     if sync == GradSync.NONE:
@@ -213,12 +268,25 @@ def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int)
     return UNSHARD(shard, *spec, sync, None, *armed)
 
 
+def reads_gather(state: ShardState) -> bool:
+    """Whether an attribute read now means "the full parameter" (inside a forward of the
+    sharded model, in a backward, or while Dynamo traces) rather than "the sharded one"."""
+    return (
+        torch.compiler.is_compiling()
+        or state.forward_depth > 0
+        or torch._C._current_graph_task_id() != -1
+    )
+
+
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
     def make_property(pname: str) -> property:
         def get(self):
             entry, spec = self._graphshard_specs[pname]
             state = self._graphshard_root_state
-            return read_param(self._parameters[pname].to_local(), entry, spec, state.sync)
+            param = self._parameters[pname]
+            if not reads_gather(state):
+                return param
+            return read_param(param.to_local(), entry, spec, state.sync)
 
         return property(get)
 
@@ -238,7 +306,11 @@ def shard(
     """Shard every parameter of ``module`` in place across the ranks of ``mesh``.
 
     Args:
-        module: any ``nn.Module`` with the same initial parameters on every rank.
+        module: any ``nn.Module`` with the same initial parameters on every rank, or one
+            built under ``torch.device("meta")``: then nothing is allocated, and
+            ``module.to_empty(device=...)`` allocates each rank's rows only, to be
+            initialised (``reset_parameters()``, ``nn.init`` on the DTensors) or loaded
+            (``dcp.load``, ``set_model_state_dict``).
         mesh: a 1-D ``DeviceMesh`` to shard across, a 2-D one ``(replicate, shard)`` for
             HSDP (parameters sharded along the second dimension, gradients also averaged
             across the first), or None to shard across the default process group.
@@ -268,17 +340,12 @@ def shard(
             f"{type(mixed_precision).__name__}"
         )
     policy = mixed_precision or MixedPrecision()
-    for name, p in module.named_parameters():
-        if p.is_meta:
-            raise ValueError(
-                f"Parameter {name!r} is on the meta device: materialise it first (e.g. "
-                "module.to_empty(device=...) then initialise it identically on every rank) "
-                "before graphshard.shard()."
-            )
     originals = guards.collect_originals(module)  # marked once replaced (graphshard.guards)
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if device.type == "meta":  # the device to_empty will allocate on: the group's
+            device = _default_device(group)
         with unset_fake_temporarily():  # the mesh holds real rank ids, also when tracing
             mesh = DeviceMesh.from_group(group, device.type)
     state = ShardState(
@@ -331,6 +398,7 @@ def shard(
         sub.__class__ = _sharded_class(type(sub), specs)
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
+    _track_forwards(module, state)
     setattr(module, _STATE_ATTR, state)
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
     return module

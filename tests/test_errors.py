@@ -50,15 +50,22 @@ def test_one_dimensional_mesh_is_accepted():
         assert shards["weight"].shape == (4, 6) and shards["weight"].device_mesh is mesh
         assert shards["weight"].to_local().shape == (1, 6)  # 4 rows over 4 ranks
         assert shards["bias"].to_local().shape == (1,)
-        assert model.weight.shape == (4, 6)  # attribute access unshards
+        # outside forward an attribute read is the sharded parameter (FSDP2's convention)
+        assert model.weight is shards["weight"]
 
 
-def test_meta_device_parameter():
+def test_forward_of_a_meta_model_names_to_empty():
     with fake_process_group(2):
         with torch.device("meta"):
             model = nn.Linear(4, 4)
-        with pytest.raises(ValueError, match="'weight' is on the meta device.*to_empty"):
-            graphshard.shard(model)
+        graphshard.shard(model)  # allocates nothing: the local rows are meta tensors
+        assert model.weight.to_local().is_meta and model.weight.to_local().shape == (2, 4)
+        with pytest.raises(graphshard.ShardedModelError,
+                           match=r"'weight' is still on the meta device.*model\.to_empty\("):
+            model(torch.randn(3, 4))
+        compiled = torch.compile(model, backend="graphshard")
+        with pytest.raises(Exception, match=r"'weight' is still on the meta device.*to_empty"):
+            compiled(torch.randn(3, 4))
 
 
 def test_parameter_in_two_buckets():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_utils import Awkward, batch, build, launch, results
+from ckpt_utils import batch, build, launch, results
 from dist_utils import full_state
 from graph_utils import fake_process_group
 from torch import fx, nn
@@ -52,16 +52,20 @@ def job_plans_then_raise(rank: int, world_size: int) -> dict:
     model = OddMLP()
     groups = [[model.layers[0]]] if rank == 0 else [[model.layers[0], model.layers[2]]]
     out["buckets"] = _error(lambda: graphshard.shard(model, buckets=groups))
-    # 3. different backend options: refused at the first compile, before the first gather
+    # 3. different values (another seed on rank 1): refused by shard(), naming them
+    torch.manual_seed(rank)
+    out["values"] = _error(lambda: graphshard.shard(OddMLP()))
+    # 4. different backend options: refused at the first compile, before the first gather
     torch._dynamo.reset()
+    torch.manual_seed(0)
     model = graphshard.shard(OddMLP())
     compiled = torch.compile(model, backend=graphshard.backend(prefetch_depth=1 + rank,
                                                                inductor=False))
     out["backend"] = _error(lambda: compiled(torch.randn(4, 13)))
-    # 4. the process group still works after refusing: .double() after shard() trains right
+    # 5. the process group still works after refusing: .double() after shard() trains right
     out["double"] = _train_double(rank, world_size)
-    # 5. rank 1 raises (its process then exits); rank 0 is in the forward's all-gather
-    model = graphshard.shard(Awkward())
+    # 6. rank 1 raises (its process then exits); rank 0 is in the forward's all-gather
+    model = graphshard.shard(build("awkward"))
     start = time.monotonic()
     try:
         with graphshard.report_rank_failures():
@@ -95,7 +99,7 @@ def _train_double(rank: int, world_size: int) -> float:
 
 
 def job_hang(rank: int, world_size: int) -> dict:
-    model = graphshard.shard(Awkward())
+    model = graphshard.shard(build("awkward"))
     with graphshard.report_rank_failures():
         model(*batch("awkward", 0, rank)).loss.backward()
         if rank == 1:
@@ -129,6 +133,15 @@ def test_different_buckets_are_refused(ranks):
         kind, msg = out["buckets"]
         assert kind == "PlanMismatchError"
         assert "buckets: rank 0 has" in msg and "layers.0+layers.2" in msg
+
+
+def test_different_parameter_values_are_refused_by_shard(ranks):
+    for out in ranks:
+        kind, msg = out["values"]
+        assert kind == "PlanMismatchError", msg
+        assert "parameter values given to graphshard.shard() differs between ranks" in msg
+        assert "values of 'layers.0.weight': rank 0 has" in msg and "rank 1 has" in msg
+        assert "torch.device('meta')" in msg and "to_empty" in msg
 
 
 def test_different_backend_options_are_refused_at_compile(ranks):
@@ -247,7 +260,7 @@ def test_to_dtype_after_shard_keeps_the_sharding():
             assert entry.param.shape == entry.full_shape
             assert entry.param.to_local().shape[0] == -(-entry.full_shape[0] // 2)  # rank 0
         assert model.layers[0]._parameters["weight"] is state.params[0].param
-        assert model.layers[0].weight.shape == (29, 13)  # reads still unshard
+        assert model.layers[0].weight is state.params[0].param  # read outside forward
 
 
 def test_to_with_new_parameter_objects_repoints_the_shards_and_keeps_ties():

@@ -4,6 +4,11 @@ Written to trace with ``torch.compile(..., fullgraph=True)``: no data-dependent 
 no complex numbers (rotary embeddings use real arithmetic), and the rotary tables are
 non-persistent buffers so they stay out of ``state_dict()`` and out of sharding.
 
+Built under ``torch.device("meta")``, the model allocates nothing; ``to_empty(device=...)``
+then leaves every tensor uninitialised. The rotary tables are not in any checkpoint, so
+:class:`RotaryEmbedding` re-creates them itself when it leaves the meta device (and in
+``reset_parameters()``); the weights come from :meth:`Llama.init_weights` or a checkpoint.
+
     cfg = llama_config("tiny")
     model = Llama(cfg)
     out = model(input_ids)          # LlamaOutput(loss, logits)
@@ -17,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "LlamaConfig",
@@ -91,10 +97,36 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = self._tables()
+        device = torch.empty(0).device  # honours an enclosing torch.device(...) context
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, computed on the CPU in float32 (the same bits on every device)."""
+        with torch.device("cpu"):
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+            inv_freq = 1.0 / (self.theta**exponents)
+            angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), inv_freq)
+            return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (no-op on the meta device)."""
+        if self.cos.is_meta:
+            return
+        cos, sin = self._tables()
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() (and .to() from meta) leaves the buffers uninitialised: re-create them.
+        was_meta = self.cos.is_meta
+        out = super()._apply(fn, recurse)
+        if was_meta and not self.cos.is_meta:
+            self.reset_parameters()
+        return out
 
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:seq_len], self.sin[:seq_len]
@@ -188,10 +220,12 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Normal(0, 0.02) for linears and embeddings, ones for norms.
+        """Normal(0, 0.02) for linears and embeddings, ones for norms; the rotary tables
+        recomputed.
 
         With ``seed`` the values come from a private generator seeded with it (the global
         RNG is untouched); without, from the global RNG. Meta tensors are left as they are.
+        On sharded (DTensor) weights it gives the values the unsharded model would get.
         """
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         seen: set[int] = set()
@@ -205,9 +239,17 @@ class Llama(nn.Module):
                     nn.init.normal_(weight, mean=0.0, std=INIT_STD, generator=gen)
                 else:  # draw on the CPU generator, then copy, so every device agrees
                     values = torch.empty(weight.shape, dtype=weight.dtype)
-                    weight.copy_(nn.init.normal_(values, mean=0.0, std=INIT_STD, generator=gen))
+                    nn.init.normal_(values, mean=0.0, std=INIT_STD, generator=gen)
+                    if isinstance(weight, DTensor):  # this rank's part of the full values
+                        values = distribute_tensor(
+                            values.to(weight.device), weight.device_mesh, weight.placements,
+                            src_data_rank=None,
+                        )
+                    weight.copy_(values)
             elif isinstance(module, RMSNorm) and not module.weight.is_meta:
                 nn.init.ones_(module.weight)
+            elif isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LlamaOutput:
         """Logits (batch, seq, vocab) and the mean cross-entropy loss.
