@@ -11,6 +11,11 @@ Every rank builds the same model from the same seed, ``graphshard.shard`` keeps 
 of every parameter, and ``torch.compile`` with the graphshard backend inserts the
 all-gathers and reduce-scatters. Each rank draws its own batch (data parallel).
 
+With ``--meta-init`` (the default for the ``llama3-*`` presets) no rank ever holds the whole
+model: it is built on the meta device, sharded, ``to_empty``'d (each rank allocates its
+rows), then initialised (``init_weights``: the same values as without ``--meta-init``) or
+loaded with ``--load`` (rank 0 reads a full checkpoint and sends each rank its rows).
+
 The synthetic data is learnable so the loss visibly falls: each sequence starts at a random
 token and follows a fixed random "next token" permutation of ``--data-vocab`` token ids, with
 a ``--noise`` fraction of tokens drawn at random instead.
@@ -108,6 +113,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write every graph before and after every graphshard pass into this directory",
     )
     parser.add_argument(
+        "--meta-init",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build the model on the meta device and allocate only each rank's shards "
+        "(default: on for the llama3-* presets, off otherwise)",
+    )
+    parser.add_argument(
+        "--load",
+        default=None,
+        metavar="PATH",
+        help="start from these weights instead of a fresh init: a full state dict written by "
+        "--save (torch.save); rank 0 reads it, every rank gets its rows",
+    )
+    parser.add_argument(
         "--save",
         default=None,
         metavar="PATH",
@@ -164,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--resume needs --checkpoint-dir")
     if args.grad_accum < 1 or args.replicas < 1:
         parser.error("--grad-accum and --replicas must be at least 1")
+    if args.meta_init is None:
+        args.meta_init = args.model.startswith("llama3")
     return args
 
 
@@ -210,9 +231,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         )
     dtype = getattr(torch, args.dtype)
 
-    # Same seed on every rank -> the same full model everywhere before sharding.
-    torch.manual_seed(args.seed)
-    model = Llama(cfg).to(device=device, dtype=dtype)
+    if args.meta_init:  # shapes only: nothing is allocated until to_empty below
+        with torch.device("meta"):
+            model = Llama(cfg).to(dtype=dtype)
+    else:  # every rank holds the whole model until shard(); the same seed everywhere
+        model = Llama(cfg).to(device=device, dtype=dtype)
+        model.init_weights(seed=args.seed)
     n_params = model.num_params()
     mesh = None
     if args.replicas > 1:
@@ -224,6 +248,14 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     policy = None if low is None else graphshard.MixedPrecision(
         param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
     graphshard.shard(model, mesh, mixed_precision=policy)
+    if args.meta_init:
+        model.to_empty(device=device)  # each rank's rows, uninitialised (rotary tables rebuilt)
+        if args.load is None:
+            model.init_weights(seed=args.seed)  # the values the unsharded model would get
+    if args.load is not None:
+        graphshard.load_full_checkpoint(model, args.load)
+        if rank == 0:
+            print(f"loaded {args.load}", flush=True)
     if args.eager:
         run = model
     else:

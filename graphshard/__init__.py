@@ -17,6 +17,7 @@ from graphshard.fingerprint import PlanMismatchError
 from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
 from graphshard.graph_breaks import GraphBreakWarning
 from graphshard.guards import ShardedModelError
+from graphshard.loading import load_full_checkpoint
 from graphshard.mixed_precision import MixedPrecision
 from graphshard.sharding import shard
 
@@ -27,6 +28,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "load_full_checkpoint",
     "CheckpointInfo",
     "CheckpointMismatchError",
     "report_rank_failures",

@@ -36,9 +36,9 @@ SMALL = ModelArgs(n_layers=2, vocab_size=37, max_seq_len=16, dim=24, n_heads=4,
 # --------------------------------------------------------------------------- models and data
 
 
-def tiny_llama() -> Llama:
+def tiny_llama(**overrides) -> Llama:
     """The shipped Llama, small; tied embeddings."""
-    return Llama(llama_config("tiny", tie_embeddings=True))
+    return Llama(llama_config("tiny", tie_embeddings=True, **overrides))
 
 
 BUILDERS = {
@@ -281,7 +281,27 @@ def job_bad_checkpoint(rank: int, world_size: int, ckpt_dir: str) -> dict:
     return out
 
 
+def job_full_checkpoint(rank: int, world_size: int, good: str, bad: str) -> dict:
+    """``graphshard.load_full_checkpoint`` of a ``torch.save``'d full state dict into the
+    meta-built model; then of a deeper model's (every key of ours fits, plus more), which
+    must be refused naming the extra keys with nothing written (torch's broadcast load
+    would have written every tensor that fits before complaining)."""
+    model = build_meta("llama")
+    graphshard.shard(model)
+    model.to_empty(device="cpu")
+    out: dict = {"keys": graphshard.load_full_checkpoint(model, good)}
+    out["params"] = before = full_values(model)
+    try:
+        graphshard.load_full_checkpoint(model, bad)
+        out["bad"] = "no error"
+    except Exception as exc:  # noqa: BLE001  (the test checks its type and text)
+        out["bad"] = f"{type(exc).__name__}: {exc}"
+    out["bad_untouched"] = all(v.equal(before[k]) for k, v in full_values(model).items())
+    return out
+
+
 JOBS = {
+    "full_checkpoint": job_full_checkpoint,
     "memory": job_memory,
     "init": job_init,
     "train": job_train,

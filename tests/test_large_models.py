@@ -28,6 +28,7 @@ from large_model_jobs import (
     job_init,
     reference_train,
     run_jobs,
+    tiny_llama,
 )
 
 INIT_KINDS = ("llama", "transformer")
@@ -35,7 +36,8 @@ HOWS = ("init", "broadcast", "dcp")
 MiB = 1 << 20
 
 
-def _world2_jobs(big_dir: str, small_dir: str, other_dir: str) -> list[tuple]:
+def _world2_jobs(big_dir: str, small_dir: str, other_dir: str,
+                 full_files: tuple[str, str]) -> list[tuple]:
     jobs: list[tuple] = [("memory", "memory", big_dir)]
     jobs += [(("init", kind), "init", kind) for kind in INIT_KINDS]
     for mode in MODES:  # the broadcast run saves the checkpoint the "dcp" runs load
@@ -44,6 +46,7 @@ def _world2_jobs(big_dir: str, small_dir: str, other_dir: str) -> list[tuple]:
             load = small_dir if how == "dcp" else None
             jobs.append((("train", how, mode), "train", "llama", how, mode, save or load))
     jobs.append(("bad", "bad_checkpoint", other_dir))
+    jobs.append(("full", "full_checkpoint", *full_files))
     return jobs
 
 
@@ -63,8 +66,19 @@ def other_checkpoint(dirs) -> str:
 
 
 @pytest.fixture(scope="module")
-def world2(dirs, other_checkpoint):
-    return run_ranks(run_jobs, 2, _world2_jobs(dirs["big"], dirs["small"], other_checkpoint))
+def full_files(dirs) -> tuple[str, str]:
+    """``torch.save``'d full state dicts: the reference Llama's, and a deeper Llama's."""
+    good, bad = dirs["other"] + "/llama.pt", dirs["other"] + "/deeper.pt"
+    torch.save(build("llama").state_dict(), good)
+    torch.manual_seed(0)
+    torch.save(tiny_llama(n_layers=3).state_dict(), bad)
+    return good, bad
+
+
+@pytest.fixture(scope="module")
+def world2(dirs, other_checkpoint, full_files):
+    return run_ranks(run_jobs, 2, _world2_jobs(dirs["big"], dirs["small"], other_checkpoint,
+                                               full_files))
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +183,51 @@ def test_another_models_checkpoint_is_refused_and_the_model_untouched(world2):
     for got in _results(world2, "bad"):
         assert "Size mismatch" in got["dcp"] and ".weight" in got["dcp"], got["dcp"]
         assert got["dcp_untouched"]
+
+
+def test_load_full_checkpoint_loads_and_refuses_another_model_untouched(world2):
+    want = dict(build("llama").named_parameters())
+    for got in _results(world2, "full"):
+        assert "output.weight" in got["keys"] or "tok_embeddings.weight" in got["keys"]
+        for name, value in got["params"].items():
+            torch.testing.assert_close(value, want[name].detach(), rtol=0, atol=0, msg=name)
+        assert got["bad"].startswith("CheckpointMismatchError"), got["bad"]
+        assert "not in the model" in got["bad"] and "layers.2.attention.wq.weight" in got["bad"]
+        assert got["bad_untouched"]
+
+
+def test_example_meta_init_gives_the_same_run_and_load_restores_save(tmp_path, monkeypatch):
+    """``examples/train_llama.py``: ``--meta-init`` trains exactly like the default path;
+    ``--load`` of what ``--save`` wrote restores it bit for bit; another model's file is
+    refused before anything is written."""
+    import importlib.util
+    import socket
+    from pathlib import Path
+
+    import graphshard
+
+    spec = importlib.util.spec_from_file_location(
+        "train_llama_example", Path(__file__).parents[1] / "examples" / "train_llama.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+
+    def main(*argv: str) -> float:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        return example.main(["--model", "tiny", "--eager", "--seq-len", "16", "--batch-size",
+                             "2", "--timeout-s", "30", *argv])
+
+    saved, again = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    plain = main("--steps", "3", "--no-meta-init", "--save", saved)
+    assert main("--steps", "3", "--meta-init") == plain
+    main("--steps", "0", "--meta-init", "--load", saved, "--save", again)
+    first, second = torch.load(saved), torch.load(again)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    torch.save(build("transformer").state_dict(), tmp_path / "other.pt")
+    with pytest.raises(graphshard.CheckpointMismatchError, match="missing from the checkpoint"):
+        main("--steps", "1", "--load", str(tmp_path / "other.pt"))
