@@ -34,11 +34,13 @@ BUILD_DEVICE = torch.device("meta")
 
 
 def config(tie: bool, other: bool = False):
-    """The small Llama of the test, or (``other``) a different one: 3 layers, hidden 32."""
+    """The small Llama of the test, or (``other``) a different one: 3 layers and MLPs of 96.
+    Its embedding and attention fit the test's model, so a load that did not check every
+    shape first would copy them before failing on the MLP."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=128, hidden_size=32 if other else 64, intermediate_size=128,
+        vocab_size=128, hidden_size=64, intermediate_size=96 if other else 128,
         num_hidden_layers=3 if other else 2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=tie,
     )  # fmt: skip

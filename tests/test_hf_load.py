@@ -152,10 +152,14 @@ def test_other_models_weights_raise_naming_keys_and_write_nothing(ranks, dirs, t
         assert got["error"] is not None, "loading another model's weights did not raise"
         kind, message = got["error"]
         assert kind == "CheckpointMismatchError"
-        assert "model.embed_tokens.weight: safetensors checkpoint (128, 32) vs model " \
-            "(128, 64)" in message
-        assert "model.layers.0.mlp.down_proj.weight: safetensors checkpoint (32, 128) vs " \
-            "model (64, 128)" in message
+        for layer in (0, 1):
+            mlp = f"model.layers.{layer}.mlp"
+            assert f"{mlp}.down_proj.weight: safetensors checkpoint (64, 96) vs model " \
+                "(64, 128)" in message
+            assert f"{mlp}.up_proj.weight: safetensors checkpoint (96, 64) vs model " \
+                "(128, 64)" in message
+        assert "shape differs (6)" in message
+        assert "model.embed_tokens.weight" not in message  # fits; not written either
         assert "not in the model (9): model.layers.2." in message  # the third layer's
         assert ("lm_head.weight" in message) is not tie  # stored once in the tied file
         _assert_equal(got["after"], got["before"])
