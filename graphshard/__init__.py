@@ -17,6 +17,7 @@ from graphshard.fingerprint import PlanMismatchError
 from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
 from graphshard.graph_breaks import GraphBreakWarning
 from graphshard.guards import ShardedModelError
+from graphshard.hf import init_non_persistent_buffers, load_safetensors
 from graphshard.loading import load_full_checkpoint
 from graphshard.mixed_precision import MixedPrecision
 from graphshard.sharding import shard
@@ -37,6 +38,8 @@ __all__ = [
     "ShardedModelError",
     "GraphBreakWarning",
     "MixedPrecision",
+    "load_safetensors",
+    "init_non_persistent_buffers",
     "no_sync",
     "set_requires_gradient_sync",
     "set_requires_all_reduce",

@@ -26,7 +26,7 @@ from torch import nn
 
 from graphshard.checkpoint import CheckpointMismatchError, check_keys_and_shapes
 
-__all__ = ["load_full_checkpoint", "broadcast_full_state", "agree"]
+__all__ = ["load_full_checkpoint", "broadcast_full_state", "plan_keys", "tied_names", "agree"]
 
 T = TypeVar("T")
 
@@ -48,12 +48,16 @@ def tied_names(module: nn.Module) -> list[list[str]]:
     return [sorted(g, key=order.__getitem__) for g in groups if len(g) > 1]
 
 
+Hint = str | Callable[[list[str], dict[str, tuple[int, ...]]], str]
+
+
 def plan_keys(module: nn.Module, found: dict[str, tuple[int, ...]], *, strict: bool,
-              what: str, hint: str) -> list[str]:
+              what: str, hint: Hint) -> list[str]:
     """Check ``found`` (a source's names and shapes) against ``module``'s state dict and
     return the keys to load. One name of a tied tensor suffices (a source may store it
     once); with ``strict=False`` only the names both have are compared (shapes still are).
-    Raises :class:`CheckpointMismatchError` naming every difference."""
+    Raises :class:`CheckpointMismatchError` naming every difference; ``hint`` (or
+    ``hint(missing_keys, found)``) says what to do about it."""
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()
                 if isinstance(v, torch.Tensor)}
     for group in tied_names(module):
@@ -64,6 +68,8 @@ def plan_keys(module: nn.Module, found: dict[str, tuple[int, ...]], *, strict: b
     if not strict:
         expected = {k: v for k, v in expected.items() if k in found}
         found = {k: v for k, v in found.items() if k in expected}
+    if callable(hint):
+        hint = hint([k for k in expected if k not in found], found)
     check_keys_and_shapes(expected, found, what=what, hint=hint)
     return list(expected)
 
@@ -102,7 +108,7 @@ def broadcast_full_state(
     *,
     strict: bool,
     what: str,
-    hint: str,
+    hint: Hint,
 ) -> list[str]:
     """Rank 0 runs ``read_on_rank0()``; every rank checks its names and shapes against
     ``module``; then torch's ``set_model_state_dict(broadcast_from_rank0=True)`` sends each
