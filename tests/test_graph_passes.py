@@ -72,9 +72,9 @@ class LoweredGraphs(expecttest.TestCase):
             bw = graph_text(stages["bw"], group.group_name)
         self.assertExpectedInline(fw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[6, 8]", primals_3: "f32[6]", primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_8: "f32[4]", primals_10: "f32[6, 8]", primals_12: "f32[6]", primals_14: "f32[4, 12]", primals_16: "f32[4]", primals_18: "f32[2, 8]", primals_20: "f32[2]"):
-        view_default: "f32[48]" = torch.ops.aten.view.default(primals_1, [-1]);  primals_1 = None
-        view_default_1: "f32[6]" = torch.ops.aten.view.default(primals_3, [-1]);  primals_3 = None
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[6, 8]", primals_4: "f32[6]", primals_6: "f32[4, 12]", primals_8: "f32[4]", primals_10: "f32[6, 8]", primals_12: "f32[6]", primals_14: "f32[4, 12]", primals_16: "f32[4]", primals_18: "f32[2, 8]", primals_20: "f32[2]"):
+        view_default: "f32[48]" = torch.ops.aten.view.default(primals_2, [-1]);  primals_2 = None
+        view_default_1: "f32[6]" = torch.ops.aten.view.default(primals_4, [-1]);  primals_4 = None
         view_default_2: "f32[48]" = torch.ops.aten.view.default(primals_6, [-1])
         view_default_3: "f32[4]" = torch.ops.aten.view.default(primals_8, [-1]);  primals_8 = None
         cat_default: "f32[106]" = torch.ops.aten.cat.default([view_default, view_default_1, view_default_2, view_default_3]);  view_default = view_default_1 = view_default_2 = view_default_3 = None
@@ -100,11 +100,11 @@ class GraphModule(torch.nn.Module):
         clone_default_3: "f32[2, 4]" = torch.ops.aten.clone.default(slice_tensor_3, memory_format = torch.contiguous_format);  slice_tensor_3 = None
         view_default_8: "f32[8]" = torch.ops.aten.view.default(clone_default_3, [8]);  clone_default_3 = None
         permute: "f32[8, 12]" = torch.ops.aten.permute.default(view_default_5, [1, 0]);  view_default_5 = None
-        addmm: "f32[4, 12]" = torch.ops.aten.addmm.default(view_default_6, primals_5, permute);  view_default_6 = permute = None
+        addmm: "f32[4, 12]" = torch.ops.aten.addmm.default(view_default_6, primals_1, permute);  view_default_6 = permute = None
         relu: "f32[4, 12]" = torch.ops.aten.relu.default(addmm);  addmm = None
         permute_1: "f32[12, 8]" = torch.ops.aten.permute.default(view_default_7, [1, 0]);  view_default_7 = None
         addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(view_default_8, relu, permute_1);  view_default_8 = permute_1 = None
-        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_5, addmm_1);  addmm_1 = None
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, addmm_1);  addmm_1 = None
         wait_tensor_default_1: "f32[212]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
         view_default_18: "f32[16]" = torch.ops.aten.view.default(primals_18, [-1]);  primals_18 = None
         view_default_19: "f32[2]" = torch.ops.aten.view.default(primals_20, [-1]);  primals_20 = None
@@ -142,11 +142,11 @@ class GraphModule(torch.nn.Module):
         permute_4: "f32[8, 3]" = torch.ops.aten.permute.default(slice_tensor_9, [1, 0]);  slice_tensor_9 = None
         addmm_4: "f32[4, 3]" = torch.ops.aten.addmm.default(slice_tensor_11, add_1, permute_4);  slice_tensor_11 = None
         permute_5: "f32[3, 8]" = torch.ops.aten.permute.default(permute_4, [1, 0]);  permute_4 = None
-        return (addmm_4, primals_5, primals_6, primals_10, primals_14, relu, add, relu_1, add_1, permute_5)
+        return (addmm_4, primals_1, primals_6, primals_10, primals_14, relu, add, relu_1, add_1, permute_5)
 """)
         self.assertExpectedInline(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_5: "f32[4, 8]", primals_6: "f32[4, 12]", primals_10: "f32[6, 8]", primals_14: "f32[4, 12]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", permute_5: "f32[3, 8]", tangents_1: "f32[4, 3]"):
+    def forward(self, primals_1: "f32[4, 8]", primals_6: "f32[4, 12]", primals_10: "f32[6, 8]", primals_14: "f32[4, 12]", relu: "f32[4, 12]", add: "f32[4, 8]", relu_1: "f32[4, 12]", add_1: "f32[4, 8]", permute_5: "f32[3, 8]", tangents_1: "f32[4, 3]"):
         view_default: "f32[48]" = torch.ops.aten.view.default(primals_14, [-1]);  primals_14 = None
         view_default_1: "f32[48]" = torch.ops.aten.view.default(primals_10, [-1]);  primals_10 = None
         cat_default: "f32[96]" = torch.ops.aten.cat.default([view_default, view_default_1]);  view_default = view_default_1 = None
@@ -239,7 +239,7 @@ class GraphModule(torch.nn.Module):
         le_1: "b8[4, 12]" = torch.ops.aten.le.Scalar(alias_3, 0);  alias_3 = None
         where_1: "f32[4, 12]" = torch.ops.aten.where.self(le_1, scalar_tensor, mm_6);  le_1 = scalar_tensor = mm_6 = None
         permute_21: "f32[12, 4]" = torch.ops.aten.permute.default(where_1, [1, 0])
-        mm_8: "f32[12, 8]" = torch.ops.aten.mm.default(permute_21, primals_5);  permute_21 = primals_5 = None
+        mm_8: "f32[12, 8]" = torch.ops.aten.mm.default(permute_21, primals_1);  permute_21 = primals_1 = None
         permute_22: "f32[8, 12]" = torch.ops.aten.permute.default(mm_8, [1, 0]);  mm_8 = None
         sum_5: "f32[1, 12]" = torch.ops.aten.sum.dim_IntList(where_1, [0], True);  where_1 = None
         view_22: "f32[12]" = torch.ops.aten.view.default(sum_5, [12]);  sum_5 = None
@@ -277,7 +277,7 @@ class GraphModule(torch.nn.Module):
         view_default_38: "f32[6]" = torch.ops.aten.view.default(slice_tensor_10, [6]);  slice_tensor_10 = None
         slice_tensor_11: "f32[48]" = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 58, 106);  wait_tensor_default_4 = None
         view_default_39: "f32[6, 8]" = torch.ops.aten.view.default(slice_tensor_11, [6, 8]);  slice_tensor_11 = None
-        return (view_default_39, view_default_38, None, view_default_37, view_default_36, view_default_26, view_default_25, view_default_24, view_default_23, view_default_13, view_default_12)
+        return (None, view_default_39, view_default_38, view_default_37, view_default_36, view_default_26, view_default_25, view_default_24, view_default_23, view_default_13, view_default_12)
 """)
 
 
