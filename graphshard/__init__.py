@@ -18,6 +18,7 @@ from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_
 from graphshard.graph_breaks import GraphBreakWarning
 from graphshard.guards import ShardedModelError
 from graphshard.mixed_precision import MixedPrecision
+from graphshard.offload import CPUOffload
 from graphshard.sharding import shard
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ShardedModelError",
     "GraphBreakWarning",
     "MixedPrecision",
+    "CPUOffload",
     "no_sync",
     "set_requires_gradient_sync",
     "set_requires_all_reduce",
