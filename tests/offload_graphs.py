@@ -157,6 +157,8 @@ def trace(
 
         fp = shard_fingerprint(state)
         result["fingerprint"] = {k: v for k, v in fp.items() if k.startswith("shard option")}
+        with mode, torch.no_grad():  # evaluation: the inference graph gathers from the host too
+            compiled(x)
         result["compiled_output"] = out.device.type
         result["compiled_grads"] = sorted({p.grad.to_local().device.type
                                            for p in model.parameters()})
