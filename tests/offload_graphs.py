@@ -162,6 +162,13 @@ def trace(
         result["compiled_output"] = out.device.type
         result["compiled_grads"] = sorted({p.grad.to_local().device.type
                                            for p in model.parameters()})
+        with mode:  # the optimizer steps where the shards and gradients are
+            optimizer = torch.optim.AdamW(model.parameters())
+            optimizer.step()
+        result["optimizer_state"] = sorted({
+            value.to_local().device.type for state_ in optimizer.state.values()
+            for value in state_.values() if isinstance(value, torch.Tensor) and value.dim()
+        })
         result["graphs"] = [{stage: summarize(gm) for stage, gm in stages.items()}
                             for stages in backend.graphs]
     return result

@@ -116,6 +116,7 @@ def test_shards_gradients_and_optimizer_inputs_live_on_the_host(traced):
     assert result["state_mesh"] == ACCEL  # compute and collectives on the accelerator
     assert result["eager_output"] == result["compiled_output"] == ACCEL
     assert result["eager_grads"] == result["compiled_grads"] == ["cpu"]
+    assert result["optimizer_state"] == ["cpu"]  # AdamW's moments, made from the shards
     assert result["fingerprint"]["shard option offload"] == "CPUOffload(pin_memory=True)"
     assert result["fingerprint"]["shard option compute_device"] == repr(ACCEL)
 
@@ -124,6 +125,7 @@ def test_without_offload_everything_stays_on_the_accelerator(traced):
     result = traced["plain"]
     assert result["param_devices"] == result["param_mesh"] == [ACCEL]
     assert result["eager_grads"] == result["compiled_grads"] == [ACCEL]
+    assert result["optimizer_state"] == [ACCEL]
     assert result["fingerprint"]["shard option offload"] == "None"
     for stage in ("fw", "bw"):
         records = graph(result, stage)
