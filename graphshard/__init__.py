@@ -20,6 +20,7 @@ from graphshard.guards import ShardedModelError
 from graphshard.hf import init_non_persistent_buffers, load_safetensors
 from graphshard.loading import load_full_checkpoint
 from graphshard.mixed_precision import MixedPrecision
+from graphshard.offload import CPUOffload
 from graphshard.sharding import shard
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "MixedPrecision",
     "load_safetensors",
     "init_non_persistent_buffers",
+    "CPUOffload",
     "no_sync",
     "set_requires_gradient_sync",
     "set_requires_all_reduce",

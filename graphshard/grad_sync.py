@@ -39,6 +39,17 @@ def _accum_dtype(state: ShardState, entry: ShardedParam) -> torch.dtype:
     return (policy and policy.gradient_dtype) or entry.param.dtype
 
 
+def _accum_device(state: ShardState, entry: ShardedParam) -> torch.device:
+    """Where held-back gradients accumulate: on the compute device under CPU offload (a
+    later reduction there folds them in), else on the shard's device."""
+    return torch.device(state.compute_device) if state.compute_device else entry.param.device
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` name one device (``cuda`` is the current ``cuda:N``)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _pending(state: ShardState, attr: str) -> list[str]:
     return [
         e.names[0] for e in state.params
@@ -62,7 +73,7 @@ def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
     for entry in state.params:
         if not entry.param.requires_grad:
             continue
-        device, dtype = entry.param.device, _accum_dtype(state, entry)
+        device, dtype = _accum_device(state, entry), _accum_dtype(state, entry)
         if mode == GradSync.NONE and not _usable(entry.unreduced, device, dtype, entry):
             entry.unreduced = _stub_leaf(entry.full_shape, dtype, device)
         if mode == GradSync.PARTIAL and not _usable(entry.partial, device, dtype, entry):
@@ -75,7 +86,7 @@ def _usable(leaf: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
     """Whether an accumulator still fits its shard (``.to()`` may have moved the model)."""
     if leaf is None:
         return False
-    if leaf.device == device and leaf.dtype == dtype:
+    if _same_device(leaf.device, device) and leaf.dtype == dtype:
         return True
     if leaf.grad is not None:
         raise RuntimeError(

@@ -4,6 +4,11 @@ The uncompiled sharded model runs these: ``unshard`` casts, really all-gathers a
 ``reduce_grad`` pads, reduce-scatters with averaging and, on a 2-D mesh, all-reduces across
 replicas. They are the numerical reference for the compiled path, which replaces the
 markers with bucketed collectives doing the same arithmetic in the same order.
+
+With CPU offload (``graphshard.CPUOffload``) ``unshard`` first copies the host shard to the
+compute device (non-blocking: the shard is pinned and stays untouched until the optimizer
+step), and ``reduce_grad`` copies the reduced gradient back to the host (blocking, so that
+it has arrived when backward returns and the optimizer reads it).
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ def gather_full(local: torch.Tensor, layout: Dim0Layout, group_name: str) -> tor
 
 def _unshard_eager(shard, full_shape, *args, **kwargs):
     m = UnshardArgs(shard, full_shape, *args, **kwargs)
-    local = shard if m.param_dtype is None else shard.to(m.param_dtype)
+    local = shard
+    if m.compute_device:  # CPU offload: host shard -> device, then cast and gather there
+        local = local.to(m.compute_device, non_blocking=True)
+    if m.param_dtype is not None:
+        local = local.to(m.param_dtype)
     return gather_full(local, Dim0Layout(full_shape, m.world_size), m.group_name)
 
 
@@ -74,6 +83,8 @@ def _reduce_grad_eager(grad, *args, **kwargs):
         out = _reduce(out, "all_reduce", m.replica_size, m.replica_group)
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
+    if m.out_device:  # CPU offload: the reduced pieces go back to the host shard
+        out = out.to(m.out_device)
     if not m.all_reduce:  # a partial accumulates as the padded piece
         return out.view(layout.piece_shape)
     return local_from_reduced(eager, out, layout, m.local_rows)
@@ -90,6 +101,7 @@ def _unshard_setup(ctx, inputs, output):
     ctx.marker = UnshardArgs(*inputs)
     ctx.shard_dtype = inputs[0].dtype
     ctx.local_rows = rows_held(inputs[0].shape)
+    ctx.shard_device = inputs[0].device.type
 
 
 def _unshard_backward(ctx, grad):
@@ -101,10 +113,13 @@ def _unshard_backward(ctx, grad):
         grads[_ACCUM] = grad.to(m.accum.dtype)
         return tuple(grads)
     final = m.sync == GradSync.FULL
+    # CPU offload: a final gradient goes to the host shard; a partial one accumulates on the
+    # compute device, where it is folded into a later reduction.
+    out_device = ctx.shard_device if final and m.compute_device else ""
     reduced = REDUCE_GRAD(
         grad, m.bucket, m.name, m.world_size, m.group_name, reduce_dtype,
         ctx.shard_dtype if final else m.accum.dtype, m.replica_group, m.replica_size, final,
-        m.pending_full, m.pending_partial, ctx.local_rows,
+        m.pending_full, m.pending_partial, ctx.local_rows, out_device,
     )  # fmt: skip
     grads[0 if final else _ACCUM] = reduced
     return tuple(grads)

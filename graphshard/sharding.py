@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
 from graphshard.mixed_precision import MixedPrecision, install_casts
+from graphshard.offload import CPUOffload, host_parameter, resolve_offload
 from passes.layout import Dim0Layout
 from passes.markers import UNSHARD, GradSync
 
@@ -83,6 +84,8 @@ class ShardState:
     sync: int = GradSync.FULL  # where this micro-batch's gradients go (see GradSync)
     folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
     forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
+    offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
+    compute_device: str = ""  # with offload: the device type shards are gathered on
 
     @property
     def group_name(self) -> str:
@@ -302,6 +305,7 @@ def shard(
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
     reshard_after_forward: bool = True,
     mixed_precision: MixedPrecision | None = None,
+    offload: CPUOffload | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place across the ranks of ``mesh``.
 
@@ -322,6 +326,11 @@ def shard(
             in backward (ZeRO-3, default); False keeps them for backward (ZeRO-2).
         mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
+        offload: ``CPUOffload()`` keeps the shards (pinned by default), gradients and
+            optimizer state in host memory, like FSDP2's ``CPUOffloadPolicy``: each
+            bucket's shards are copied to the mesh's device before its all-gather, and
+            reduced gradients are copied back, so the optimizer steps on the host. Needs an
+            accelerator mesh (ValueError on a CPU one: nothing to offload).
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
@@ -348,9 +357,11 @@ def shard(
             device = _default_device(group)
         with unset_fake_temporarily():  # the mesh holds real rank ids, also when tracing
             mesh = DeviceMesh.from_group(group, device.type)
+    compute_device, host = resolve_offload(mesh, offload)  # "", None without offload
     state = ShardState(
         group, world_size, rank, reshard_after_forward, mesh, bucket_names=bucket_names,
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
+        offload=offload, compute_device=compute_device,
     )  # fmt: skip
 
     by_param: dict[int, ShardedParam] = {}
@@ -364,7 +375,8 @@ def shard(
             if entry is None:
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
-                param = sharded_parameter(p, mesh, rank)
+                param = (sharded_parameter(p, mesh, rank) if offload is None
+                         else host_parameter(p, host, rank, offload))
                 entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
                 by_param[id(p)] = entry
                 state.params.append(entry)
@@ -391,6 +403,7 @@ def shard(
                 policy.gradient_dtype,
                 "" if replica_group is None else replica_group.group_name,
                 replica_size,
+                compute_device,
             )
             specs[pname] = (entry, spec)
         sub._graphshard_specs = specs

@@ -9,6 +9,11 @@ dtype; on a 2-D mesh the reduced pieces are then all-reduced (averaged) across r
 gradients held back by ``no_sync`` are added in, full ones before the reduce-scatter and
 reduce-scattered partials before the all-reduce. It is issued once the bucket's last
 gradient exists; its wait sits just after it (the scheduling passes delay it).
+
+With CPU offload the markers carry an ``out_device`` (the host): the bucket's reduced flat
+buffer (after the replica all-reduce and the cast back) is copied there in one blocking
+``aten._to_copy`` (tagged ``meta["graphshard_copy"]``), and the shards' gradients are views
+of the host copy. It depends on the wait, so ``overlap_reduce`` moves it with the wait.
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             result = make(c10d.wait_tensor.default, across)
         if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
             result = make(prims.convert_element_type.default, result, first.out_dtype)
+        if first.out_device:  # CPU offload: one copy of the bucket's gradients to the host
+            result = make(aten._to_copy.default, result, device=torch.device(first.out_device))
+            result.meta["graphshard_copy"] = {"direction": "d2h", "bucket": bucket.index}
         shards, offset = [], 0
         total = sum(layout.piece_numel for layout in layouts)
         for node, layout in zip(bucket.nodes, layouts, strict=True):

@@ -6,6 +6,10 @@ flattened into one buffer (``passes.layout``), gathered rank-major, and each par
 rebuilt from its column of the gathered ``[world, bucket_numel]`` matrix, padding cut off.
 The gather is placed just before the bucket's first marker (its first use); the scheduling
 passes move it earlier.
+
+With CPU offload the markers carry a ``compute_device``: each host shard is first copied
+there (``aten._to_copy``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
+gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     numels = [layout.piece_numel for layout in layouts]
     with graph.inserting_before(_insert_point(graph, bucket)):
         flats = [
-            gather_piece(make, _cast(make, shard, first), layout,
-                         rows_held(shard.meta["val"].shape))
+            gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index), first),
+                         layout, rows_held(shard.meta["val"].shape))
             for shard, layout in zip(slots, layouts, strict=True)
         ]
         flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
@@ -77,6 +81,17 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     for shard, nodes in slots.items():
         for node in nodes:
             replace_and_erase(node, rebuilt[shard])
+
+
+def _to_compute(make: NodeMaker, shard: fx.Node, args, bucket: int) -> fx.Node:
+    """CPU offload: the host shard copied to the compute device (the marker's
+    ``compute_device``), non-blocking; the shard itself when it is gathered where it lives."""
+    if not args.compute_device:
+        return shard
+    copy = make(aten._to_copy.default, shard, device=torch.device(args.compute_device),
+                non_blocking=True)
+    copy.meta["graphshard_copy"] = {"direction": "h2d", "bucket": bucket}
+    return copy
 
 
 def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:

@@ -34,20 +34,26 @@ _lib = torch.library.Library("graphshard", "DEF")
 # leaf that receives it when it is not reduced all the way, ``pending_*`` what earlier
 # micro-batches accumulated, folded into this micro-batch's reduction. ``shard`` is the rank's
 # local rows (the DTensor parameter's local tensor, unpadded: see ``passes.layout``).
+# ``compute_device`` (CPU offload): the device type the shard is copied to before the gather
+# ('' = gathered where it lives); the last of the per-parameter fields ``shard()`` fixes, so
+# the per-read ones (``sync`` ...) follow it.
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, bool reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
-    "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, int sync=0, "
-    "Tensor? accum=None, Tensor? pending_full=None, Tensor? pending_partial=None) -> Tensor"
+    "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, "
+    "str compute_device='', int sync=0, Tensor? accum=None, Tensor? pending_full=None, "
+    "Tensor? pending_partial=None) -> Tensor"
 )
 _lib.define(
     "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name, "
     "ScalarType? reduce_dtype=None, ScalarType? out_dtype=None, str replica_group='', "
     "int replica_size=1, bool all_reduce=True, Tensor? pending_full=None, "
-    "Tensor? pending_partial=None, int local_rows=0) -> Tensor"
+    "Tensor? pending_partial=None, int local_rows=0, str out_device='') -> Tensor"
 )
 # ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
 # local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
+# ``out_device`` (CPU offload): the device type the reduced gradient is copied to, the host
+# where its shard lives ('' = it stays where it was reduced).
 
 
 class GradSync:
@@ -81,14 +87,17 @@ def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
 
 @torch.library.register_fake("graphshard::unshard")
 def _unshard_fake(shard, full_shape, *args, **kwargs):
-    dtype = UnshardArgs(shard, full_shape, *args, **kwargs).param_dtype or shard.dtype
-    return shard.new_empty(full_shape, dtype=dtype)
+    m = UnshardArgs(shard, full_shape, *args, **kwargs)
+    device = m.compute_device or shard.device
+    return shard.new_empty(full_shape, dtype=m.param_dtype or shard.dtype, device=device)
 
 
 @torch.library.register_fake("graphshard::reduce_grad")
 def _reduce_grad_fake(grad, bucket, name, world_size, *args, **kwargs):
     m = ReduceGradArgs(grad, bucket, name, world_size, *args, **kwargs)
-    return grad.new_empty(reduced_shape(m), dtype=m.out_dtype or grad.dtype)
+    return grad.new_empty(
+        reduced_shape(m), dtype=m.out_dtype or grad.dtype, device=m.out_device or grad.device
+    )
 
 
 def reduced_shape(m: ReduceGradArgs) -> tuple[int, ...]:
@@ -124,6 +133,7 @@ class UnshardArgs(NamedTuple):
     reduce_dtype: torch.dtype | None = None  # the gradient is reduced in this dtype
     replica_group: str = ""  # HSDP: the group the shard gradients are all-reduced over
     replica_size: int = 1
+    compute_device: str = ""  # CPU offload: copy the shard to this device type, then gather
     sync: int = GradSync.FULL
     accum: fx.Node | None = None
     pending_full: fx.Node | None = None
@@ -146,6 +156,7 @@ class ReduceGradArgs(NamedTuple):
     pending_full: fx.Node | None = None
     pending_partial: fx.Node | None = None
     local_rows: int = 0  # rows of dim 0 the reading rank holds (rank-dependent)
+    out_device: str = ""  # CPU offload: copy the reduced gradient to this device type
 
 
 def marker_args(node: fx.Node) -> UnshardArgs | ReduceGradArgs:

@@ -242,25 +242,32 @@ def _load_broadcast(model: nn.Module, kind: str, rank: int) -> None:
         full_state_dict=True, broadcast_from_rank0=True))
 
 
-def job_train(rank: int, world_size: int, kind: str, how: str, mode: str,
-              ckpt_dir: str | None) -> dict:
-    """Meta build, shard, ``to_empty``, then initialise (``how="init"``), load rank 0's
-    full state dict by broadcast (``"broadcast"``) or a DCP checkpoint (``"dcp"``); train
-    ``STEPS`` SGD steps. With ``how="broadcast"`` and ``ckpt_dir`` the loaded model is
-    also saved there with ``dcp.save`` (for the ``"dcp"`` runs)."""
-    model = build_meta(kind)
-    graphshard.shard(model)
-    model.to_empty(device="cpu")
-    if how == "init":
-        initialise(model)
-    elif how == "broadcast":
-        _load_broadcast(model, kind, rank)
-        if ckpt_dir is not None:
-            dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
-    else:
-        dcp.load(model.state_dict(), checkpoint_id=ckpt_dir)
-    losses = train(kind, maybe_compile(model, mode), STEPS, [rank])
-    return {"losses": losses, "params": full_values(model)}
+def job_train(rank: int, world_size: int, kind: str, hows: tuple[str, ...], mode: str,
+              ckpt_dir: str) -> dict:
+    """For each ``how`` in turn: meta build, shard, ``to_empty``, then initialise
+    (``"init"``), load rank 0's full state dict by broadcast (``"broadcast"``; eager, it is
+    then saved to ``ckpt_dir`` with ``dcp.save``) or the DCP checkpoint in ``ckpt_dir``
+    (``"dcp"``); train ``STEPS`` SGD steps. Compiled, one model is built and compiled once
+    and each ``how`` re-initialises or reloads it (a compile costs far more than a run)."""
+    out: dict = {}
+    model = run = None
+    for how in hows:
+        if run is None or mode == "eager":
+            model = build_meta(kind)
+            graphshard.shard(model)
+            model.to_empty(device="cpu")
+            run = maybe_compile(model, mode)
+        if how == "init":
+            initialise(model)
+        elif how == "broadcast":
+            _load_broadcast(model, kind, rank)
+            if mode == "eager":
+                dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
+        else:
+            dcp.load(model.state_dict(), checkpoint_id=ckpt_dir)
+        losses = train(kind, run, STEPS, [rank])
+        out[how] = {"losses": losses, "params": full_values(model)}
+    return out
 
 
 def job_bad_checkpoint(rank: int, world_size: int, ckpt_dir: str) -> dict:

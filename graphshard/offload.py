@@ -1,0 +1,119 @@
+"""``CPUOffload``: keep shards, gradients and optimizer state in host memory.
+
+Like FSDP2's ``CPUOffloadPolicy``: the parameters stay DTensors sharded over the mesh's
+process groups, but their local tensors (this rank's rows) live on the CPU, pinned when
+asked. Each read copies the shard to the mesh's device (non-blocking, from pinned memory)
+and gathers it there; each reduced gradient is copied back to the host, so ``.grad`` is a
+CPU DTensor and the optimizer, with its state, steps on the host. The device holds only
+what is gathered and the activations.
+
+The DTensors of offloaded parameters are placed on a host-typed copy of the mesh (same
+process groups and ranks, device type ``cpu``), not on the accelerator mesh itself:
+``DTensor.to_local()``'s backward rebuilds the gradient with ``DTensor.from_local``, which
+moves it to the mesh's device type, so on an accelerator mesh every gradient would be
+copied back to the device after ``reduce_grad`` brought it to the host, and autograd
+would refuse the device gradient for the host parameter. (FSDP2 builds its parameters on
+the accelerator mesh, but never differentiates through ``to_local``.)
+
+Eagerly the marker kernels (``graphshard.ops``) make the copies; compiled, the lowering
+passes insert them as graph nodes and ``prefetch`` issues each bucket's host-to-device
+copies together with its all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from passes.layout import Dim0Layout
+
+__all__ = ["CPUOffload", "resolve_offload", "host_mesh", "host_parameter"]
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep the shards, gradients and optimizer state on the host; given to
+    ``graphshard.shard(model, mesh, offload=CPUOffload())``.
+
+    The mesh must be an accelerator mesh (``init_device_mesh("cuda", ...)``): compute and
+    collectives run on its device; only the shards rest on the CPU.
+
+    Attributes:
+        pin_memory: pin (page-lock) the host shards, so that each bucket's copy to the
+            device is asynchronous and overlaps compute. Without it every copy is
+            synchronous; turn it off only when pinned memory is scarce.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(
+                f"CPUOffload.pin_memory must be True or False, got {self.pin_memory!r}."
+            )
+
+
+def resolve_offload(
+    mesh: DeviceMesh, offload: CPUOffload | None
+) -> tuple[str, DeviceMesh | None]:
+    """The device type the shards are copied to before each gather and the host mesh their
+    DTensors live on: ``("", None)`` without offload, else the mesh's (accelerator) device
+    type and :func:`host_mesh` of ``mesh``.
+
+    Raises:
+        TypeError: ``offload`` is not a :class:`CPUOffload`.
+        ValueError: the mesh is on the CPU, so there is nothing to offload.
+    """
+    if offload is None:
+        return "", None
+    if not isinstance(offload, CPUOffload):
+        raise TypeError(
+            f"offload must be a graphshard.CPUOffload (or None), got {type(offload).__name__}."
+        )
+    device_type = mesh.device_type
+    if device_type == "cpu":
+        raise ValueError(
+            "graphshard.shard(..., offload=CPUOffload()) keeps the shards in host memory and "
+            "computes on the mesh's device, but this mesh is on 'cpu': parameters, gradients "
+            "and optimizer state already live in host memory, so there is nothing to offload. "
+            "Drop offload=, or shard on an accelerator mesh, e.g. graphshard.shard(model, "
+            "init_device_mesh('cuda', (world_size,)), offload=graphshard.CPUOffload())."
+        )
+    return device_type, host_mesh(mesh)
+
+
+def host_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A ``cpu`` DeviceMesh over the same process groups and ranks as ``mesh``."""
+    names = mesh.mesh_dim_names
+    with unset_fake_temporarily():  # the mesh holds real rank ids, also when tracing
+        if mesh.ndim == 1:
+            return DeviceMesh.from_group(mesh.get_group(), "cpu", mesh_dim_names=names)
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        names = names or tuple(f"dim{d}" for d in range(mesh.ndim))
+        return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)
+
+
+def host_parameter(
+    full: torch.Tensor, mesh: DeviceMesh, rank: int, offload: CPUOffload
+) -> nn.Parameter:
+    """``full`` as a Parameter wrapping a DTensor on the host mesh ``mesh`` whose local
+    tensor is ``rank``'s rows in host memory (pinned if ``offload.pin_memory``)."""
+    from graphshard.sharding import placements
+
+    layout = Dim0Layout(full.shape, mesh.size(mesh.ndim - 1))
+    if full.is_meta:  # nothing to copy yet: to_empty(device="cpu") allocates the host rows
+        local = layout.local(full.detach(), rank).clone()
+    else:
+        local = layout.local(full.detach(), rank).to("cpu", copy=True).contiguous()
+        if offload.pin_memory and not is_fake(local):  # a fake tensor has no memory to pin
+            local = local.pin_memory()
+    dtensor = DTensor.from_local(
+        local, mesh, placements(mesh, full.shape), run_check=False, shape=full.shape,
+        stride=torch.empty(full.shape, device="meta").stride(),
+    )  # fmt: skip
+    return nn.Parameter(dtensor, requires_grad=full.requires_grad)

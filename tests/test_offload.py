@@ -1,0 +1,383 @@
+"""CPU offload (``graphshard.CPUOffload``): where the copies sit in the lowered graphs.
+
+Graph-level, one process with a fake process group and fake tensors (structure only). The
+accelerator is ``fakeaccel``, a PrivateUse1 device registered from Python in a spawned
+process (see ``offload_graphs.py`` for why not fake ``cuda``: this CPU-only torch cannot run
+autograd on it); the lowering passes alone are also checked on fake ``cuda`` tensors, which
+need no autograd. The CPU-only error runs on a real one-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import offload_graphs
+import pytest
+import torch
+import torch.distributed as dist
+from graph_utils import fake_process_group
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphshard
+from passes import Plan, lower_reduce_grad, lower_unshard
+from passes.layout import Dim0Layout
+from passes.markers import REDUCE_GRAD, UNSHARD
+
+ACCEL = offload_graphs.ACCEL
+COMPUTE = {"aten.mm.default", "aten.addmm.default"}
+GATHER = "_c10d_functional.all_gather_into_tensor.default"
+WAIT = "_c10d_functional.wait_tensor.default"
+
+
+class Traced(dict):
+    """Results by configuration; reading one whose tracing raised fails with its traceback."""
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        result = super().__getitem__(name)
+        if "error" in result:
+            pytest.fail(f"tracing configuration {name!r} raised:\n{result['error']}")
+        return result
+
+
+@pytest.fixture(scope="module")
+def traced() -> Traced:
+    """Every configuration of ``offload_graphs.CONFIGS``, traced in one spawned process."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return Traced(pool.submit(offload_graphs.trace_all).result())
+
+
+# --------------------------------------------------------------------------- graph reading
+
+
+def graph(result: dict[str, Any], stage: str, index: int = -1) -> list[dict[str, Any]]:
+    """The node records of ``stage`` of the ``index``-th compiled graph that has one."""
+    return [stages[stage] for stages in result["graphs"] if stage in stages][index]
+
+
+def by_name(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in records}
+
+
+def position(records: list[dict[str, Any]]) -> dict[str, int]:
+    return {r["name"]: i for i, r in enumerate(records)}
+
+
+def ancestors(records: list[dict[str, Any]], name: str) -> set[str]:
+    """``name``'s inputs, their inputs, and so on."""
+    nodes, found, stack = by_name(records), set(), list(by_name(records)[name]["inputs"])
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(nodes[current]["inputs"])
+    return found
+
+
+def users(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r for r in records if name in r["inputs"]]
+
+
+def copies(records: list[dict[str, Any]], direction: str) -> list[dict[str, Any]]:
+    return [r for r in records if (r["copy"] or {}).get("direction") == direction]
+
+
+def device_copies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every ``_to_copy`` that names a device, tagged or not."""
+    return [r for r in records
+            if r["target"] == "aten._to_copy.default" and "device" in r["kwargs"]]
+
+
+def collectives(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == kind]
+
+
+def wait_of(records: list[dict[str, Any]], collective: dict[str, Any]) -> dict[str, Any]:
+    (wait,) = [u for u in users(records, collective["name"]) if u["target"] == WAIT]
+    return wait
+
+
+def feeding(records: list[dict[str, Any]], gather: dict[str, Any]) -> list[dict[str, Any]]:
+    """The host-to-device copies whose data the all-gather ``gather`` sends."""
+    up = ancestors(records, gather["name"])
+    return [c for c in copies(records, "h2d") if c["name"] in up]
+
+
+# --------------------------------------------------------------------------- where data lives
+
+
+def test_shards_gradients_and_optimizer_inputs_live_on_the_host(traced):
+    result = traced["offload"]
+    assert result["param_devices"] == ["cpu"]  # the DTensors' local tensors
+    assert result["param_mesh"] == ["cpu"]  # a host copy of the mesh (same groups)
+    assert result["state_mesh"] == ACCEL  # compute and collectives on the accelerator
+    assert result["eager_output"] == result["compiled_output"] == ACCEL
+    assert result["eager_grads"] == result["compiled_grads"] == ["cpu"]
+    assert result["optimizer_state"] == ["cpu"]  # AdamW's moments, made from the shards
+    assert result["fingerprint"]["shard option offload"] == "CPUOffload(pin_memory=True)"
+    assert result["fingerprint"]["shard option compute_device"] == repr(ACCEL)
+
+
+def test_without_offload_everything_stays_on_the_accelerator(traced):
+    result = traced["plain"]
+    assert result["param_devices"] == result["param_mesh"] == [ACCEL]
+    assert result["eager_grads"] == result["compiled_grads"] == [ACCEL]
+    assert result["optimizer_state"] == [ACCEL]
+    assert result["fingerprint"]["shard option offload"] == "None"
+    for stage in ("fw", "bw"):
+        records = graph(result, stage)
+        assert collectives(records, "unshard"), stage
+        assert device_copies(records) == [], stage
+        assert not any(r["copy"] for r in records), stage
+
+
+# --------------------------------------------------------------------------- host to device
+
+
+@pytest.mark.parametrize("stage", ["fw", "bw", "inference"])
+def test_each_gather_sends_its_own_shards_copied_to_the_device_before_it(traced, stage):
+    records = graph(traced["offload"], stage)
+    order, nodes = position(records), by_name(records)
+    gathers = collectives(records, "unshard")
+    assert gathers
+    fed = []
+    for gather in gathers:
+        mine = feeding(records, gather)
+        # one non-blocking copy per shard the gather sends, all tagged with its bucket
+        assert len(mine) == len(gather["params"]), gather["name"]
+        assert {c["copy"]["bucket"] for c in mine} == {gather["bucket"]}
+        for c in mine:
+            assert order[c["name"]] < order[gather["name"]]
+            assert c["device"] == ACCEL and c["kwargs"]["non_blocking"] == "True"
+            (source,) = c["inputs"]
+            assert nodes[source]["target"] == "placeholder"  # the host shard itself
+            assert nodes[source]["device"] == "cpu"
+        assert gather["device"] == ACCEL
+        fed += mine
+    # every copy feeds a gather, and nothing else moves data between devices
+    assert sorted(c["name"] for c in fed) == sorted(c["name"] for c in device_copies(records)
+                                                    if c["device"] == ACCEL)
+
+
+@pytest.mark.parametrize("stage", ["fw", "bw"])
+def test_prefetch_issues_the_next_buckets_copies_and_gather_before_this_buckets_compute(
+    traced, stage
+):
+    records = graph(traced["offload"], stage)
+    order = position(records)
+    gathers = collectives(records, "unshard")
+    assert len(gathers) >= 3
+    first_compute = min(order[r["name"]] for r in records if r["target"] in COMPUTE)
+    assert all(order[c["name"]] < first_compute for c in feeding(records, gathers[0]))
+    for current, following in zip(gathers, gathers[1:], strict=False):
+        wait = wait_of(records, current)
+        # this bucket's compute: the first matmul that reads its gathered parameters
+        compute = min(order[r["name"]] for r in records
+                      if r["target"] in COMPUTE and wait["name"] in ancestors(records, r["name"]))
+        assert order[following["name"]] < compute, (current["name"], following["name"])
+        for c in feeding(records, following):
+            assert order[wait["name"]] < order[c["name"]] < compute  # issued with the gather
+
+
+@pytest.mark.parametrize("stage", ["fw", "bw"])
+def test_offload_adds_copies_and_leaves_the_collective_schedule_alone(traced, stage):
+    def schedule(records):
+        return [(r["kind"], r["bucket"]) for r in records if r["kind"]]
+
+    plain, offloaded = graph(traced["plain"], stage), graph(traced["offload"], stage)
+    assert schedule(offloaded) == schedule(plain)
+    assert copies(offloaded, "h2d") and not copies(plain, "h2d")
+
+
+def test_bytes_copied_to_the_device_per_step_are_the_shard_bytes_of_each_gathered_bucket(traced):
+    result = traced["offload"]
+    shard_bytes, buckets = result["shard_bytes"], result["buckets"]
+    per_step = 0
+    for stage in ("fw", "bw"):
+        records = graph(result, stage)
+        for gather in collectives(records, "unshard"):
+            sent = sum(c["nbytes"] for c in feeding(records, gather))
+            assert sent == sum(shard_bytes[name] for name in gather["params"]), gather["name"]
+            per_step += sent
+        assert sum(c["nbytes"] for c in copies(records, "h2d")) == sum(
+            sum(shard_bytes[n] for n in g["params"]) for g in collectives(records, "unshard"))
+    # forward: every bucket once (whole buckets); backward: only what it gathers again
+    fw_gathers = collectives(graph(result, "fw"), "unshard")
+    assert sorted(g["bucket"] for g in fw_gathers) == sorted(set(buckets.values()))
+    fw_bytes = sum(c["nbytes"] for c in copies(graph(result, "fw"), "h2d"))
+    assert fw_bytes == sum(shard_bytes.values())
+    bw_regathered = [n for g in collectives(graph(result, "bw"), "unshard") for n in g["params"]]
+    assert per_step == fw_bytes + sum(shard_bytes[n] for n in bw_regathered)
+    assert 0 < len(bw_regathered) < len(shard_bytes)  # the head and biases are not re-sent
+
+
+def test_mixed_precision_copies_the_fp32_shard_then_casts_on_the_device(traced):
+    records = graph(traced["bf16"], "fw")
+    nodes = by_name(records)
+    for gather in collectives(records, "unshard"):
+        assert gather["dtype"] == "bfloat16"
+        for c in feeding(records, gather):
+            assert c["dtype"] == "float32"
+            (cast,) = users(records, c["name"])
+            assert cast["target"] == "prims.convert_element_type.default"
+            assert cast["dtype"] == "bfloat16" and cast["device"] == ACCEL
+            assert nodes[c["inputs"][0]]["device"] == "cpu"
+
+
+# --------------------------------------------------------------------------- device to host
+
+
+@pytest.mark.parametrize("config", ["offload", "hsdp", "bf16"])
+def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(traced, config):
+    records = graph(traced[config], "bw")
+    nodes, order = by_name(records), position(records)
+    reduces = collectives(records, "reduce_grad")
+    host = copies(records, "d2h")
+    assert len(host) == len(reduces) == 4
+    for reduce in reduces:
+        (copy,) = [c for c in host if c["copy"]["bucket"] == reduce["bucket"]]
+        last = wait_of(records, reduce)  # the reduce-scatter's wait ...
+        if config == "hsdp":  # ... or, on HSDP, the wait of the all-reduce across replicas
+            (across,) = users(records, last["name"])
+            assert across["kind"] == "replica_reduce"
+            last = wait_of(records, across)
+        (source,) = copy["inputs"]
+        if config == "bf16":  # cast back to the shard's dtype on the device, then copied
+            assert nodes[source]["target"] == "prims.convert_element_type.default"
+            assert nodes[source]["inputs"] == [last["name"]] and copy["dtype"] == "float32"
+        else:
+            assert source == last["name"]
+        assert copy["device"] == "cpu" and "non_blocking" not in copy["kwargs"]
+        assert copy["nbytes"] == nodes[source]["nbytes"]  # the bucket's reduced pieces
+        assert order[last["name"]] < order[copy["name"]]
+        # the shards' gradients are views of the host copy
+        assert users(records, copy["name"])
+        assert all(u["device"] == "cpu" for u in users(records, copy["name"]))
+    output = records[-1]
+    grads = [nodes[n] for n in output["inputs"] if nodes[n]["device"] is not None]
+    assert grads and all(g["device"] == "cpu" for g in grads)
+
+
+def test_no_sync_accumulates_on_the_device_and_the_synced_step_copies_once(traced):
+    result = traced["no_sync"]
+    assert result["accumulators"] == [ACCEL]
+    held_back = graph(result, "bw", index=0)  # the no_sync graph: no reduction, no copy back
+    assert collectives(held_back, "reduce_grad") == [] and copies(held_back, "d2h") == []
+    assert copies(held_back, "h2d")  # it still gathers from the host
+    synced = graph(result, "bw", index=-1)
+    assert len(copies(synced, "d2h")) == len(collectives(synced, "reduce_grad")) == 4
+    assert result["compiled_grads"] == ["cpu"]
+
+
+# --------------------------------------------------------------------------- eager kernels
+
+
+def test_eager_kernels_copy_to_the_device_then_cast_and_gather_and_back_after_reducing(traced):
+    kernels = traced["kernels"]
+    assert kernels["unshard"]["calls"] == [
+        f"_to_copy(device={ACCEL}:0, dtype=torch.float32, non_blocking=True)",
+        "_to_copy(device=None, dtype=torch.bfloat16, non_blocking=False)",
+        "all_gather_into_tensor",
+    ]
+    assert kernels["unshard"]["device"] == ACCEL and kernels["unshard"]["shape"] == [5, 8]
+    assert kernels["reduce_grad"]["calls"] == [
+        "reduce_scatter_tensor",
+        "_to_copy(device=cpu, dtype=torch.float32, non_blocking=False)",
+    ]
+    assert kernels["reduce_grad"]["device"] == "cpu"
+    assert kernels["reduce_grad"]["shape"] == [3, 8]  # rank 0's rows of [5, 8]
+
+
+# --------------------------------------------------------------------------- fake cuda
+
+
+def test_lowering_copies_to_and_from_cuda_with_valid_values():
+    """The passes alone, on fake ``cuda`` tensors (no autograd, so no CUDA build needed)."""
+    with fake_process_group(2) as group, FakeTensorMode():
+        layout = Dim0Layout([5, 8], 2)
+        g = fx.Graph()
+        shard = g.placeholder("shard")
+        shard.meta["val"] = torch.empty(3, 8)
+        args = (shard, [5, 8], 0, False, True, "w", 2, group.group_name, None, None, "", 1,
+                "cuda")
+        full = g.call_function(UNSHARD, args)
+        full.meta["val"] = UNSHARD(shard.meta["val"], *args[1:])
+        g.output((full,))
+        fw = lower_unshard(fx.GraphModule(nn.Module(), g), Plan())
+
+        g = fx.Graph()
+        grad = g.placeholder("grad")
+        grad.meta["val"] = torch.empty(5, 8, device="cuda")
+        args = (grad, 0, "w", 2, group.group_name, None, torch.float32, "", 1, True, None,
+                None, 3, "cpu")
+        reduced = g.call_function(REDUCE_GRAD, args)
+        reduced.meta["val"] = REDUCE_GRAD(grad.meta["val"], *args[1:])
+        g.output((reduced,))
+        bw = lower_reduce_grad(fx.GraphModule(nn.Module(), g), Plan())
+
+    (h2d,) = [n for n in fw.graph.nodes if n.meta.get("graphshard_copy")]
+    assert h2d.args == (shard,) and h2d.kwargs == {"device": torch.device("cuda"),
+                                                   "non_blocking": True}
+    assert h2d.meta["val"].device.type == "cuda" and h2d.meta["val"].shape == (3, 8)
+    (gather,) = [n for n in fw.graph.nodes if n.meta.get("graphshard")]
+    assert gather.meta["val"].device.type == "cuda"
+    assert gather.meta["val"].numel() == 2 * layout.piece_numel
+    (d2h,) = [n for n in bw.graph.nodes if n.meta.get("graphshard_copy")]
+    assert d2h.meta["graphshard_copy"] == {"direction": "d2h", "bucket": 0}
+    assert d2h.args[0].target is torch.ops._c10d_functional.wait_tensor.default
+    assert d2h.meta["val"].device.type == "cpu"
+    (out,) = bw.graph.find_nodes(op="output")[0].args[0]
+    assert out.meta["val"].device.type == "cpu" and tuple(out.meta["val"].shape) == (3, 8)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def gloo_rank(tmp_path):
+    """A real one-rank gloo process group: a CPU-only run."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _message_names_the_fix(error: pytest.ExceptionInfo) -> None:
+    text = str(error.value)
+    assert "on 'cpu'" in text and "nothing to offload" in text
+    assert "Drop offload=" in text and "accelerator mesh" in text
+    assert "init_device_mesh('cuda'" in text
+
+
+def test_offload_on_a_cpu_only_run_says_why_and_what_to_change(gloo_rank):
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError) as error:
+        graphshard.shard(model, offload=graphshard.CPUOffload())  # mesh from the CPU params
+    _message_names_the_fix(error)
+    assert not graphshard.sharding.is_sharded(model)  # refused before anything changed
+    assert type(model) is nn.Linear and not hasattr(model.weight, "device_mesh")
+    graphshard.shard(model)  # the fix: without offload= it shards
+    assert model.weight.shape == (4, 4)
+
+
+def test_offload_on_an_explicit_cpu_mesh_is_refused(gloo_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError) as error:
+        graphshard.shard(nn.Linear(4, 4), init_device_mesh("cpu", (1,)),
+                         offload=graphshard.CPUOffload(pin_memory=False))
+    _message_names_the_fix(error)
+
+
+def test_offload_takes_a_cpu_offload_policy():
+    with fake_process_group(2):
+        with pytest.raises(TypeError, match="offload must be a graphshard.CPUOffload"):
+            graphshard.shard(nn.Linear(4, 4), offload=True)
+    with pytest.raises(TypeError, match="pin_memory must be True or False"):
+        graphshard.CPUOffload(pin_memory="yes")
