@@ -56,3 +56,26 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in full.items()}
+
+
+def example_runner(monkeypatch, *common: str) -> Callable[..., float]:
+    """``examples/train_llama.py``'s ``main`` as a function of its arguments, run as a
+    world-1 job in this process (a free port per call); ``common`` prefixes every call."""
+    import importlib.util
+    import socket
+
+    spec = importlib.util.spec_from_file_location(
+        "train_llama_example", Path(__file__).parents[1] / "examples" / "train_llama.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+
+    def main(*argv: str) -> float:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        return example.main([*common, *argv])
+
+    return main

@@ -29,7 +29,7 @@ from ckpt_utils import (
     single_rank_group,
     train,
 )
-from dist_utils import full_state
+from dist_utils import example_runner, full_state
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -273,31 +273,9 @@ def test_full_state_dict_export_and_load(runs):
     assert torch.equal(plain.scale.detach(), saved["scale"])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_example_checkpoint_dir_and_resume(tmp_path, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_llama_example", Path(__file__).parents[1] / "examples" / "train_llama.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(key, value)
-    common = ["--model", "tiny", "--eager", "--seq-len", "16", "--batch-size", "2",
-              "--timeout-s", "30"]
-
-    def main(*argv: str) -> float:
-        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-        return example.main([*common, *argv])
-
+    main = example_runner(monkeypatch, "--model", "tiny", "--eager", "--seq-len", "16",
+                          "--batch-size", "2", "--timeout-s", "30")
     straight = main("--steps", "4")
     ckpt = str(tmp_path / "ckpt")
     main("--steps", "2", "--checkpoint-dir", ckpt)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_utils import single_rank_group
-from dist_utils import run_ranks
+from dist_utils import example_runner, run_ranks
 from large_model_jobs import (
     MODES,
     build,
@@ -198,27 +198,10 @@ def test_example_meta_init_gives_the_same_run_and_load_restores_save(tmp_path, m
     """``examples/train_llama.py``: ``--meta-init`` trains exactly like the default path;
     ``--load`` of what ``--save`` wrote restores it bit for bit; another model's file is
     refused before anything is written."""
-    import importlib.util
-    import socket
-    from pathlib import Path
-
     import graphshard
 
-    spec = importlib.util.spec_from_file_location(
-        "train_llama_example", Path(__file__).parents[1] / "examples" / "train_llama.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(key, value)
-
-    def main(*argv: str) -> float:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
-        return example.main(["--model", "tiny", "--eager", "--seq-len", "16", "--batch-size",
-                             "2", "--timeout-s", "30", *argv])
-
+    main = example_runner(monkeypatch, "--model", "tiny", "--eager", "--seq-len", "16",
+                          "--batch-size", "2", "--timeout-s", "30")
     saved, again = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
     plain = main("--steps", "3", "--no-meta-init", "--save", saved)
     assert main("--steps", "3", "--meta-init") == plain
