@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import time
@@ -38,7 +39,13 @@ from tqdm import tqdm
 
 import graphshard
 from graphshard.models.data import SyntheticTokens
-from graphshard.models.llama import CONFIGS, Llama, llama_config
+from graphshard.models.llama import (
+    CONFIGS,
+    Llama,
+    llama_config,
+    llama_config_from_hf,
+    llama_name_from_hf,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,7 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="PATH",
         help="start from these weights instead of a fresh init: a full state dict written by "
-        "--save (torch.save); rank 0 reads it, every rank gets its rows",
+        "--save (torch.save; rank 0 reads it, every rank gets its rows), or a Hugging Face "
+        "Llama directory (save_pretrained; its config.json replaces --model, and each rank "
+        "reads only its rows of the safetensors)",
     )
     parser.add_argument(
         "--save",
@@ -223,7 +232,12 @@ def main(argv: list[str] | None = None) -> float:
 
 
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> float:
-    cfg = llama_config(args.model)
+    hf_dir = args.load is not None and os.path.isdir(args.load)
+    if hf_dir:  # the shapes are the checkpoint's
+        with open(os.path.join(args.load, "config.json")) as f:
+            cfg = llama_config_from_hf(json.load(f))
+    else:
+        cfg = llama_config(args.model)
     seq_len = args.seq_len or min(128, cfg.max_seq_len)
     if seq_len > cfg.max_seq_len:
         raise SystemExit(
@@ -252,7 +266,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         model.to_empty(device=device)  # each rank's rows, uninitialised (rotary tables rebuilt)
         if args.load is None:
             model.init_weights(seed=args.seed)  # the values the unsharded model would get
-    if args.load is not None:
+    if hf_dir:
+        graphshard.load_safetensors(model, args.load, rename=llama_name_from_hf)
+    elif args.load is not None:
         graphshard.load_full_checkpoint(model, args.load)
         if rank == 0:
             print(f"loaded {args.load}", flush=True)

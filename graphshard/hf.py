@@ -126,6 +126,7 @@ def load_safetensors(
     *,
     broadcast_from_rank0: bool = False,
     strict: bool = True,
+    rename: Callable[[str], str] | None = None,
 ) -> list[str]:
     """Load a ``save_pretrained`` directory's ``*.safetensors`` into a (sharded) model.
 
@@ -153,6 +154,9 @@ def load_safetensors(
         strict: every tensor of the model (one name per tied weight) must be in the files
             and every tensor in the files must be in the model; False loads the names both
             have. Shapes must match either way.
+        rename: the model's name of each tensor name in the files, for a model written
+            with other names (``graphshard.models.llama.llama_name_from_hf`` loads a
+            Hugging Face Llama into the shipped ``Llama``); None keeps the names.
 
     Returns:
         The model's state-dict keys that were loaded.
@@ -165,18 +169,29 @@ def load_safetensors(
     """
     root = _root(module)
     path = Path(path)
+    rename = rename or (lambda name: name)
     if broadcast_from_rank0:
-        return _load_from_rank0(root, path, strict)
+        return _load_from_rank0(root, path, strict, rename)
     import torch.distributed.checkpoint as dcp
 
-    keys = agree(lambda: _plan(root, _read_headers(safetensors_files(path)), path, strict))
+    file_name: dict[str, str] = {}  # the model's name -> the files' name
+
+    def plan() -> list[str]:
+        found = {}
+        for name, shape in _read_headers(safetensors_files(path)).items():
+            file_name[rename(name)] = name
+            found[rename(name)] = shape
+        return _plan(root, found, path, strict)
+
+    keys = agree(plan)
     state = root.state_dict()
-    dcp.load({k: state[k] for k in keys},
+    dcp.load({file_name[k]: state[k] for k in keys},
              storage_reader=dcp.HuggingFaceStorageReader(str(path)))  # fmt: skip
     return keys
 
 
-def _load_from_rank0(root: nn.Module, path: Path, strict: bool) -> list[str]:
+def _load_from_rank0(root: nn.Module, path: Path, strict: bool,
+                     rename: Callable[[str], str]) -> list[str]:
     from safetensors.torch import load_file
 
     def read() -> dict[str, torch.Tensor]:
@@ -189,7 +204,7 @@ def _load_from_rank0(root: nn.Module, path: Path, strict: bool) -> list[str]:
                     "a save_pretrained directory holds each tensor once."
                 )
             full.update(part)
-        return full
+        return {rename(name): value for name, value in full.items()}
 
     return broadcast_full_state(root, read, strict=strict, what=_WHAT, hint=_hint(root, path))
 

@@ -212,3 +212,43 @@ def test_example_meta_init_gives_the_same_run_and_load_restores_save(tmp_path, m
     torch.save(build("transformer").state_dict(), tmp_path / "other.pt")
     with pytest.raises(graphshard.CheckpointMismatchError, match="missing from the checkpoint"):
         main("--steps", "1", "--load", str(tmp_path / "other.pt"))
+
+
+def test_example_loads_a_hugging_face_llama_directory(tmp_path, monkeypatch):
+    """A ``save_pretrained`` Llama loads into the shipped ``Llama`` (names mapped by
+    ``llama_name_from_hf``, shapes from its ``config.json``): the example's ``--load DIR``
+    writes back exactly the Hugging Face tensors, and the sharded model's logits equal
+    ``LlamaForCausalLM``'s bit for bit."""
+    import json
+
+    import transformers
+
+    import graphshard
+    from graphshard.models.llama import Llama, llama_config_from_hf, llama_name_from_hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    main = example_runner(monkeypatch, "--eager", "--seq-len", "16", "--batch-size", "2",
+                          "--timeout-s", "30")
+    main("--steps", "0", "--meta-init", "--load", str(tmp_path / "hf"),
+         "--save", str(tmp_path / "out.pt"))
+    saved = torch.load(tmp_path / "out.pt")
+    want = {llama_name_from_hf(k): v for k, v in hf.state_dict().items()}
+    assert saved.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+
+    cfg = llama_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    with single_rank_group(str(tmp_path)):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        graphshard.shard(model)
+        model.to_empty(device="cpu")
+        graphshard.load_safetensors(model, tmp_path / "hf", rename=llama_name_from_hf)
+        ids = torch.randint(0, 128, (2, 16))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)

@@ -36,6 +36,8 @@ __all__ = [
     "Llama",
     "CONFIGS",
     "llama_config",
+    "llama_config_from_hf",
+    "llama_name_from_hf",
 ]
 
 INIT_STD = 0.02
@@ -338,3 +340,66 @@ def llama_config(name: str, **overrides) -> LlamaConfig:
     if unknown:
         raise TypeError(f"Unknown LlamaConfig fields {sorted(unknown)}; known: {sorted(known)}")
     return replace(CONFIGS[name], **overrides)
+
+
+# Hugging Face ``LlamaForCausalLM`` names -> this module's (the same architecture: RMSNorm,
+# "rotate half" RoPE, GQA with each key/value head repeated in place, SwiGLU).
+_HF_LAYER_NAMES = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_HF_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def llama_name_from_hf(name: str) -> str:
+    """The :class:`Llama` parameter a Hugging Face Llama tensor name stands for
+    (``model.layers.3.mlp.gate_proj.weight`` -> ``layers.3.feed_forward.w1.weight``);
+    names it does not know are returned as they are (and then reported as unexpected)."""
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"]:
+        inner = ".".join(parts[3:-1])
+        if inner in _HF_LAYER_NAMES:
+            return f"layers.{parts[2]}.{_HF_LAYER_NAMES[inner]}.{parts[-1]}"
+    return name
+
+
+def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face Llama ``config.json`` (as a dict)."""
+    heads = hf_config["num_attention_heads"]
+    dim = hf_config["hidden_size"]
+    if hf_config.get("head_dim", dim // heads) != dim // heads:
+        raise ValueError(
+            f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads "
+            f"({dim // heads}): this Llama derives the head size from dim and n_heads."
+        )
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(
+            f"RoPE {rope} is not implemented by this Llama (plain RoPE only): load the "
+            "model with transformers instead."
+        )
+    return LlamaConfig(
+        vocab_size=hf_config["vocab_size"],
+        dim=dim,
+        n_layers=hf_config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        ffn_hidden=hf_config["intermediate_size"],
+        max_seq_len=hf_config.get("max_position_embeddings", 2048),
+        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=hf_config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+    )
