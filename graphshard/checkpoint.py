@@ -124,7 +124,8 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[max(found)] if found else None
 
 
-def _root(module: nn.Module) -> nn.Module:
+def root_module(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper wraps (``module`` itself otherwise)."""
     return getattr(module, "_orig_mod", module)
 
 
@@ -132,7 +133,7 @@ def _flat_state(module: nn.Module, optimizer) -> tuple[dict[str, Any], dict[str,
     """The DCP state dict (``model/<name>``, ``optim/<name>/<key>``) from torch's
     ``get_model_state_dict`` / ``get_optimizer_state_dict``, and the metadata that goes into
     ``graphshard.pt`` (param groups, which optimizer entries are tensors)."""
-    root = _root(module)
+    root = root_module(module)
     flat: dict[str, Any] = {
         _MODEL + k: v for k, v in get_model_state_dict(root).items()
         if isinstance(v, torch.Tensor)
@@ -358,7 +359,7 @@ def _check_param_groups(live: list[list[str]], saved: list[list[str]], hint: str
     )
 
 
-def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> None:
+def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -> None:
     """Every key and shape of the model (and optimizer) against the checkpoint, before any
     write."""
     hint = (
@@ -366,7 +367,7 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
         f"{meta.get('world_size')}; world sizes may differ, names and shapes may not). "
         "Load it into the model it was saved from, or start without --resume."
     )
-    expected = {k: tuple(v.shape) for k, v in root_module.state_dict().items()
+    expected = {k: tuple(v.shape) for k, v in root.state_dict().items()
                 if isinstance(v, torch.Tensor)}
     found = {
         k[len(_MODEL):]: (_shape(v) if _shape(v) is not None else ("<object>",))
@@ -381,8 +382,8 @@ def _validate(root_module, optimizer, saved: dict, meta: dict, path: Path) -> No
             f"The checkpoint {path} holds no optimizer state: load it with optimizer=None "
             "(and start the optimizer fresh)."
         )
-    _check_optimizer_params(root_module, optimizer)
-    state = shard_state(root_module)
+    _check_optimizer_params(root, optimizer)
+    state = shard_state(root)
     _check_param_groups(_param_fqns(state, optimizer),
                         [g["params"] for g in meta["param_groups"]], hint)
     full_shape = {e.names[0]: tuple(e.full_shape) for e in state.params}
@@ -438,13 +439,13 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     path = _resolve(Path(directory))
-    root_module = _root(module)
-    state = shard_state(root_module)
+    root = root_module(module)
+    state = shard_state(root)
     meta = torch.load(path / META_FILE, weights_only=False)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    _validate(root_module, optimizer, saved, meta, path)
+    _validate(root, optimizer, saved, meta, path)
 
-    live = {k: v for k, v in root_module.state_dict().items() if isinstance(v, torch.Tensor)}
+    live = {k: v for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
     targets: dict[str, Any] = {
         _MODEL + name: torch.empty_like(value, dtype=saved[_MODEL + name].properties.dtype)
         for name, value in live.items()
@@ -457,7 +458,7 @@ def load_checkpoint(
                 targets[key] = _empty_like_saved(saved[key], kind, param_of[fqn])
     dcp.load(targets, checkpoint_id=str(path), process_group=process_group)
 
-    set_model_state_dict(root_module, {name: targets[_MODEL + name] for name in live})
+    set_model_state_dict(root, {name: targets[_MODEL + name] for name in live})
     if optimizer is not None:
         osd_state: dict[str, dict[str, Any]] = {}
         for key, kind in meta["layout"].items():
@@ -465,6 +466,6 @@ def load_checkpoint(
             value = meta["objects"][key] if kind == "object" else targets[key]
             osd_state.setdefault(fqn, {})[sub] = value
         set_optimizer_state_dict(
-            root_module, optimizer, {"state": osd_state, "param_groups": meta["param_groups"]}
+            root, optimizer, {"state": osd_state, "param_groups": meta["param_groups"]}
         )
     return CheckpointInfo(path, int(meta["step"]), meta.get("extra"), int(meta["world_size"]))

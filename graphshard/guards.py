@@ -86,7 +86,10 @@ def _guard_class(cls: type) -> None:
     def __setattr__(self, name: str, value: Any) -> None:
         specs = self.__dict__.get("_graphshard_specs") or {}
         if name in specs:
-            if not _same_layout(self._parameters[name], value):
+            others = self.__dict__["_graphshard_root_state"].params
+            if not _same_layout(self._parameters[name], value) or any(
+                e.param is value for e in others if e is not specs[name][0]
+            ):  # another shard of this model (tying after shard()) is refused too
                 _refuse_replace(self, name, "assign to")
             _follow(self, name, specs[name][0], self._parameters[name], value)
             return

@@ -37,17 +37,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphshard.checkpoint import CheckpointMismatchError
+from graphshard.checkpoint import CheckpointMismatchError, root_module
 from graphshard.loading import agree, broadcast_full_state, plan_keys
 
 __all__ = ["load_safetensors", "init_non_persistent_buffers", "safetensors_files"]
 
 _SUFFIX = ".safetensors"
 _WHAT = "safetensors checkpoint"
-
-
-def _root(module: nn.Module) -> nn.Module:
-    return getattr(module, "_orig_mod", module)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -167,7 +163,7 @@ def load_safetensors(
         FileNotFoundError: ``path`` is no directory or holds no ``*.safetensors`` file (on
             every rank, also when only one rank cannot read it).
     """
-    root = _root(module)
+    root = root_module(module)
     path = Path(path)
     rename = rename or (lambda name: name)
     if broadcast_from_rank0:
@@ -231,7 +227,7 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
         RuntimeError: naming a non-persistent buffer ``_init_weights`` did not write: set
             it yourself.
     """
-    root = _root(model)
+    root = root_module(model)
     if not callable(getattr(root, "_init_weights", None)):
         raise TypeError(
             f"{type(root).__name__} is not a transformers PreTrainedModel (it has no "

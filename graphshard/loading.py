@@ -24,15 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphshard.checkpoint import CheckpointMismatchError, check_keys_and_shapes
+from graphshard.checkpoint import CheckpointMismatchError, check_keys_and_shapes, root_module
 
 __all__ = ["load_full_checkpoint", "broadcast_full_state", "plan_keys", "tied_names", "agree"]
 
 T = TypeVar("T")
-
-
-def _root(module: nn.Module) -> nn.Module:
-    return getattr(module, "_orig_mod", module)
 
 
 def tied_names(module: nn.Module) -> list[list[str]]:
@@ -118,7 +114,7 @@ def broadcast_full_state(
     written (``what`` and ``hint`` word the :class:`CheckpointMismatchError`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    root = _root(module)
+    root = root_module(module)
     rank = dist.get_rank()
     full: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] | None = None

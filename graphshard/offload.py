@@ -24,15 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from passes.layout import Dim0Layout
-
-__all__ = ["CPUOffload", "resolve_offload", "host_mesh", "host_parameter"]
+__all__ = ["CPUOffload", "resolve_offload", "host_mesh"]
 
 
 @dataclass(frozen=True)
@@ -97,23 +92,3 @@ def host_mesh(mesh: DeviceMesh) -> DeviceMesh:
         names = names or tuple(f"dim{d}" for d in range(mesh.ndim))
         return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)
 
-
-def host_parameter(
-    full: torch.Tensor, mesh: DeviceMesh, rank: int, offload: CPUOffload
-) -> nn.Parameter:
-    """``full`` as a Parameter wrapping a DTensor on the host mesh ``mesh`` whose local
-    tensor is ``rank``'s rows in host memory (pinned if ``offload.pin_memory``)."""
-    from graphshard.sharding import placements
-
-    layout = Dim0Layout(full.shape, mesh.size(mesh.ndim - 1))
-    if full.is_meta:  # nothing to copy yet: to_empty(device="cpu") allocates the host rows
-        local = layout.local(full.detach(), rank).clone()
-    else:
-        local = layout.local(full.detach(), rank).to("cpu", copy=True).contiguous()
-        if offload.pin_memory and not is_fake(local):  # a fake tensor has no memory to pin
-            local = local.pin_memory()
-    dtensor = DTensor.from_local(
-        local, mesh, placements(mesh, full.shape), run_check=False, shape=full.shape,
-        stride=torch.empty(full.shape, device="meta").stride(),
-    )  # fmt: skip
-    return nn.Parameter(dtensor, requires_grad=full.requires_grad)

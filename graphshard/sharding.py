@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
 from graphshard.mixed_precision import MixedPrecision, install_casts
-from graphshard.offload import CPUOffload, host_parameter, resolve_offload
+from graphshard.offload import CPUOffload, resolve_offload
 from passes.layout import Dim0Layout
 from passes.markers import UNSHARD, GradSync
 
@@ -235,10 +235,20 @@ def placements(mesh: DeviceMesh, full_shape: Sequence[int]) -> tuple:
     return (*([Replicate()] * (mesh.ndim - 1)), inner)
 
 
-def sharded_parameter(full: torch.Tensor, mesh: DeviceMesh, rank: int) -> nn.Parameter:
-    """``full`` as a Parameter wrapping a DTensor whose local tensor is ``rank``'s rows."""
+def sharded_parameter(
+    full: torch.Tensor, mesh: DeviceMesh, rank: int, offload: CPUOffload | None = None
+) -> nn.Parameter:
+    """``full`` as a Parameter wrapping a DTensor whose local tensor is ``rank``'s rows: a
+    copy where ``full`` lives, or with ``offload`` a host copy (pinned if asked; a meta
+    ``full`` stays meta until ``to_empty``)."""
     layout = Dim0Layout(full.shape, mesh.size(mesh.ndim - 1))
-    local = layout.local(full.detach(), rank).clone()
+    local = layout.local(full.detach(), rank)
+    if offload is None or local.is_meta:
+        local = local.clone()
+    else:
+        local = local.to("cpu", copy=True).contiguous()
+        if offload.pin_memory and not is_fake(local):  # a fake tensor has no memory to pin
+            local = local.pin_memory()
     dtensor = DTensor.from_local(
         local, mesh, placements(mesh, full.shape), run_check=False, shape=full.shape,
         stride=torch.empty(full.shape, device="meta").stride(),
@@ -375,8 +385,7 @@ def shard(
             if entry is None:
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
-                param = (sharded_parameter(p, mesh, rank) if offload is None
-                         else host_parameter(p, host, rank, offload))
+                param = sharded_parameter(p, host or mesh, rank, offload)
                 entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
                 by_param[id(p)] = entry
                 state.params.append(entry)

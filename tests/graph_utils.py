@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from graphshard.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
@@ -67,3 +67,15 @@ def graph_text(gm: fx.GraphModule, group_name: str) -> str:
         lines = [names.sub("", ln) if ln.lstrip().startswith(("def forward", "return ("))
                  else ln for ln in lines]
     return "\n".join(lines).replace(f"'{group_name}'", "'G'") + "\n"
+
+
+class Block(nn.Module):
+    """A residual two-Linear block (8 -> 12 -> 8): the unit of the small graph-test models."""
+
+    def __init__(self, dim: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))

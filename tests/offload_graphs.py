@@ -14,19 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from graph_utils import Block
 from torch import fx, nn
 
 ACCEL = "fakeaccel"
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 8, hidden: int = 12) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
 
 
 class ThreeBlock(nn.Module):

@@ -237,6 +237,18 @@ def test_replacing_a_parameter_after_shard_is_refused():
         assert layer.note == "other attributes are fine"
 
 
+def test_dtensor_assignment_follows_but_tying_after_shard_is_refused():
+    with fake_process_group(2):
+        model = graphshard.shard(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)))
+        entry = shard_state(model).params[0]
+        same = nn.Parameter(torch.zeros_like(model[0].weight))  # what assign=True loads
+        model[0].weight = same
+        assert entry.param is same and model[0]._parameters["weight"] is same
+        with pytest.raises(graphshard.ShardedModelError, match="assign to parameter '1.weight'"):
+            model[1].weight = model[0].weight  # another shard: tie before shard() instead
+        assert model[1]._parameters["weight"] is shard_state(model).params[2].param
+
+
 def test_optimizer_on_the_pre_shard_parameters_is_refused():
     with fake_process_group(2):
         model = OddMLP()

@@ -9,6 +9,7 @@ import expecttest
 import pytest
 import torch
 from graph_utils import (
+    Block,
     c10d,
     calls,
     derived_from,
@@ -21,16 +22,6 @@ from torch import nn
 
 import graphshard
 from passes.layout import Dim0Layout
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 8, hidden: int = 12) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
 
 
 class TwoBlock(nn.Module):
