@@ -220,6 +220,10 @@ def check_shard_plan(state: Any) -> None:
 
 def value_digest(tensor: torch.Tensor) -> str:
     """A hash of a tensor's bytes (NaNs and uninitialised memory included)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):  # tensor parallel: this rank's part (dp peers share it)
+        tensor = tensor.to_local()
     data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
     return hashlib.blake2b(data.numpy().tobytes(), digest_size=8).hexdigest()
 

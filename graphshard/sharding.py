@@ -65,6 +65,7 @@ class ShardedParam:
     # two graphs or twice eagerly adds them once); ``folding`` until its backward has run.
     armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
     folding: bool = False
+    tp: tuple | None = None  # (tp mesh, tp placements, global shape, stride) under TP
 
 
 @dataclass
@@ -256,7 +257,34 @@ def sharded_parameter(
     return nn.Parameter(dtensor, requires_grad=full.requires_grad)
 
 
+def tp_parameter(p: DTensor, dp_mesh: DeviceMesh, rank: int) -> tuple[nn.Parameter, tuple]:
+    """A TP DTensor's local tensor sharded on dim 0 across ``dp_mesh``: a DTensor on the
+    (dp, tp) root mesh."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp_mesh, tp_places = p.device_mesh, tuple(p.placements)
+    root = dp_mesh._get_root_mesh()
+    local_tp = p.to_local()
+    layout = Dim0Layout(local_tp.shape, dp_mesh.size())
+    local = layout.local(local_tp.detach(), rank).clone()
+    tp_size = tp_mesh.size()
+    dp_place = (_StridedShard(0, split_factor=tp_size)
+                if any(isinstance(q, Shard) and q.dim == 0 for q in tp_places) else Shard(0))
+    dtensor = DTensor.from_local(local, root, (dp_place, *tp_places), run_check=False,
+                                 shape=p.shape, stride=p.stride())
+    return nn.Parameter(dtensor, requires_grad=p.requires_grad), (
+        tp_mesh, tp_places, p.shape, p.stride())
+
+
 def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
+    full = _read_param(shard, entry, spec, sync)
+    if entry.tp is None:
+        return full
+    tp_mesh, places, shape, stride = entry.tp
+    return DTensor.from_local(full, tp_mesh, places, run_check=False, shape=shape, stride=stride)
+
+
+def _read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
     """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
     if shard.is_meta:
         raise guards.ShardedModelError(
@@ -385,8 +413,13 @@ def shard(
             if entry is None:
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
-                param = sharded_parameter(p, host or mesh, rank, offload)
-                entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
+                if isinstance(p, DTensor):  # tensor parallel: shard its local rows over dp
+                    param, tp = tp_parameter(p, mesh, rank)
+                    entry = ShardedParam([fqn], p.to_local().shape, bucket, pinned, param)
+                    entry.tp = tp
+                else:
+                    param = sharded_parameter(p, host or mesh, rank, offload)
+                    entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
                 by_param[id(p)] = entry
                 state.params.append(entry)
             elif fqn not in entry.names:
