@@ -63,7 +63,56 @@ def job(rank: int, world_size: int) -> dict:
             "placements": {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()},
             "params": {n: p.full_tensor() for n, p in model.named_parameters()},
         }
+    from graphshard.models.llama import Llama, llama_config, tensor_parallel_plan
+
+    for mode in MODES:  # the shipped Llama with its TP plan (heads and FFN split)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Llama(llama_config("tiny"))
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+        graphshard.shard(model, mesh["dp"])
+        run = torch.compile(model, backend="graphshard") if mode == "compiled" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        dp = mesh.get_coordinate()[0]
+        losses = []
+        for step in range(STEPS):
+            loss = run(tokens(step, dp)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[("llama", mode)] = {
+            "dp": dp, "losses": losses,
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        }
     return out
+
+
+def tokens(step: int, dp: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100 * step + dp))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_llama_with_its_tp_plan_matches_one_process(world4, mode):
+    from graphshard.models.llama import Llama, llama_config
+
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    per_dp: list[list[float]] = [[], []]
+    for step in range(STEPS):
+        losses = [model(tokens(step, d)).loss for d in range(2)]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        for d in range(2):
+            per_dp[d].append(losses[d].item())
+    for res in world4:
+        got = res[("llama", mode)]
+        assert got["losses"] == pytest.approx(per_dp[got["dp"]], rel=1e-5)
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], value.detach(), rtol=1e-5,
+                                       atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")

@@ -160,9 +160,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = self.n_heads // self.n_kv_heads
         if repeat > 1:
@@ -403,3 +404,19 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
         rope_theta=hf_config.get("rope_theta", rope.get("rope_theta", 10000.0)),
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
     )
+
+
+def tensor_parallel_plan(model: Llama) -> dict:
+    """A ``parallelize_module`` plan for :class:`Llama` (Megatron style): attention heads and
+    the FFN hidden dimension split across the TP ranks (q/k/v and w1/w3 column-wise, wo and
+    w2 row-wise); embeddings, norms and the output stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.layers)):
+        for name in ("attention.wq", "attention.wk", "attention.wv",
+                     "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return plan
