@@ -28,7 +28,7 @@ def batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 10, generator=gen), torch.randn(4, 6, generator=gen)
 
 
-def job(rank: int, world_size: int) -> dict:
+def job(rank: int, world_size: int, save_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -85,7 +85,32 @@ def job(rank: int, world_size: int) -> dict:
             "dp": dp, "losses": losses,
             "params": {n: p.full_tensor() for n, p in model.named_parameters()},
         }
+        if mode == "eager":
+            out["state"] = _state_dict_round_trip(model, mesh, save_dir)
     return out
+
+
+def _state_dict_round_trip(model, mesh, save_dir: str) -> dict:
+    """torch's state-dict functions and DCP on the (dp, tp) mesh: the full state dict, and
+    a ``dcp.save`` / ``dcp.load`` into a fresh dp x tp model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import graphshard
+    from graphshard.models.llama import Llama, llama_config, tensor_parallel_plan
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    dcp.save(model.state_dict(), checkpoint_id=save_dir)
+    torch.manual_seed(1)  # other values: the load must replace them
+    fresh = Llama(llama_config("tiny"))
+    parallelize_module(fresh, mesh["tp"], tensor_parallel_plan(fresh))
+    graphshard.shard(fresh, mesh["dp"])
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=save_dir)
+    fresh.load_state_dict(sd)
+    return {"full": {k: v.detach().clone() for k, v in full.items()},
+            "reloaded": {n: p.full_tensor() for n, p in fresh.named_parameters()}}
 
 
 def tokens(step: int, dp: int) -> torch.Tensor:
@@ -116,8 +141,17 @@ def test_llama_with_its_tp_plan_matches_one_process(world4, mode):
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_ranks(job, 4)
+def world4(tmp_path_factory):
+    return run_ranks(job, 4, str(tmp_path_factory.mktemp("tp_dcp")))
+
+
+def test_state_dicts_and_dcp_on_the_dp_tp_mesh(world4):
+    for res in world4:
+        got = res["state"]
+        trained = res[("llama", "eager")]["params"]
+        for name, value in trained.items():
+            torch.testing.assert_close(got["full"][name], value, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(got["reloaded"][name], value, rtol=0, atol=0, msg=name)
 
 
 def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
