@@ -5,11 +5,12 @@ on a DTensor. On CUDA, DTensor's offset-based RNG tracker gives each shard its p
 Philox stream. On a CPU mesh torch has no such tracker: every rank would fill its local rows
 from the start of its own generator, so with one seed every rank draws the same numbers and
 the model would change with the world size. Here, for a CPU DTensor that is sharded or
-replicated (no ``Partial``), each rank draws the whole tensor from the generator exactly as
-one process would, and keeps its rows: the same seed gives the same model at any world size,
-and the same model as the unsharded one. Cost: one temporary of the parameter's full size
+replicated (no ``Partial``; tensor-parallel ``_StridedShard`` layouts included), each rank
+draws the whole tensor from the generator exactly as one process would, and keeps its piece:
+the same seed gives the same model at any world size, and the same model as the unsharded
+one. Cost: one temporary of the parameter's full size
 (the largest parameter bounds it) and N times the draws; initialisation only. Other devices,
-meta tensors and other placements take DTensor's own path.
+meta tensors and ``Partial`` placements take DTensor's own path.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["install"]
 
@@ -42,8 +42,8 @@ def _draws_full(target: Any, args: tuple, kwargs: dict) -> bool:
         return False
     if target.to_local().is_meta:
         return False
-    if any(type(p) not in (Shard, Replicate) for p in target.placements):
-        return False  # Partial has no single full value; strided shards are not contiguous
+    if any(p.is_partial() for p in target.placements):
+        return False  # a Partial DTensor has no single full value to draw
     return not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
 
 
@@ -63,12 +63,11 @@ def _inplace_random(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any
     local = target.to_local()
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
-    shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements
-    )
-    rows = tuple(slice(start, start + size) for size, start in zip(shape, offset, strict=True))
+    # this rank's piece of ``full`` by DTensor's own split (nested and strided shards too);
+    # src_data_rank=None: every rank holds ``full``, so nothing is sent
+    mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
     with torch.no_grad():
-        local.copy_(full[rows])
+        local.copy_(mine.to_local())
     return target
 
 
