@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
 from graphshard.mixed_precision import MixedPrecision, install_casts
 from graphshard.offload import CPUOffload, resolve_offload
+from graphshard.tensor_parallel import TPLayout, refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from passes.layout import Dim0Layout
 from passes.markers import UNSHARD, GradSync
 
@@ -65,7 +66,7 @@ class ShardedParam:
     # two graphs or twice eagerly adds them once); ``folding`` until its backward has run.
     armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
     folding: bool = False
-    tp: tuple | None = None  # (tp mesh, tp placements, global shape, stride) under TP
+    tp: TPLayout | None = None  # under tensor parallelism: how to re-wrap the gathered piece
 
 
 @dataclass
@@ -257,31 +258,11 @@ def sharded_parameter(
     return nn.Parameter(dtensor, requires_grad=full.requires_grad)
 
 
-def tp_parameter(p: DTensor, dp_mesh: DeviceMesh, rank: int) -> tuple[nn.Parameter, tuple]:
-    """A TP DTensor's local tensor sharded on dim 0 across ``dp_mesh``: a DTensor on the
-    (dp, tp) root mesh."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    tp_mesh, tp_places = p.device_mesh, tuple(p.placements)
-    root = dp_mesh._get_root_mesh()
-    local_tp = p.to_local()
-    layout = Dim0Layout(local_tp.shape, dp_mesh.size())
-    local = layout.local(local_tp.detach(), rank).clone()
-    tp_size = tp_mesh.size()
-    dp_place = (_StridedShard(0, split_factor=tp_size)
-                if any(isinstance(q, Shard) and q.dim == 0 for q in tp_places) else Shard(0))
-    dtensor = DTensor.from_local(local, root, (dp_place, *tp_places), run_check=False,
-                                 shape=p.shape, stride=p.stride())
-    return nn.Parameter(dtensor, requires_grad=p.requires_grad), (
-        tp_mesh, tp_places, p.shape, p.stride())
-
-
 def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
+    """The parameter inside the forward: the full tensor through the ``unshard`` marker, or
+    under tensor parallelism the dp-gathered TP piece as the TP DTensor."""
     full = _read_param(shard, entry, spec, sync)
-    if entry.tp is None:
-        return full
-    tp_mesh, places, shape, stride = entry.tp
-    return DTensor.from_local(full, tp_mesh, places, run_check=False, shape=shape, stride=stride)
+    return full if entry.tp is None else entry.tp.wrap(full)
 
 
 def _read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
@@ -355,7 +336,11 @@ def shard(
             (``dcp.load``, ``set_model_state_dict``).
         mesh: a 1-D ``DeviceMesh`` to shard across, a 2-D one ``(replicate, shard)`` for
             HSDP (parameters sharded along the second dimension, gradients also averaged
-            across the first), or None to shard across the default process group.
+            across the first), or None to shard across the default process group. For a
+            model made tensor parallel first (``parallelize_module`` on ``mesh["tp"]``),
+            the data-parallel sub-mesh of the same mesh: ``mesh["dp"]``, or
+            ``mesh["replicate", "shard"]`` for HSDP x TP; each TP piece is then sharded
+            across it (:mod:`graphshard.tensor_parallel`).
         buckets: None for one bucket per block of the model's main ModuleList/Sequential plus
             one for the rest; or a list of module groups (a module or a list of modules, which
             need not be neighbours), each gathered as one bucket; what no group holds goes to
@@ -377,6 +362,12 @@ def shard(
         raise RuntimeError(
             f"{type(module).__name__} is already sharded: call graphshard.shard() once per "
             "model, on the root module."
+        )
+    tp_mesh = tp_mesh_of(module, mesh)  # None without tensor parallelism; checks the order
+    if tp_mesh is not None and offload is not None:
+        raise NotImplementedError(
+            "graphshard.shard(offload=CPUOffload()) with tensor-parallel parameters is not "
+            "supported; shard without offload, or offload without tensor parallelism."
         )
     group, replica_group = _resolve_groups(mesh)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -455,5 +446,6 @@ def shard(
         install_casts(module, mixed_precision)
     _track_forwards(module, state)
     setattr(module, _STATE_ATTR, state)
+    refuse_tp_after_shard()
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
     return module
