@@ -108,9 +108,8 @@ def dp_tp_job(rank: int, world_size: int, save_dir: str) -> dict:
                                 "params": _params(model)}
         if mode == "eager":
             out["state"] = _state_dict_round_trip(model, mesh, save_dir)
-        model = _tp_model("llama", mesh["tp"], mesh["dp"], BF16)
-        out[("bf16", mode)] = {"losses": _train(model, mode, dp, "llama", lr=0.5),
-                               "params": _params(model)}
+        model = _tp_model("mlp", mesh["tp"], mesh["dp"], BF16)
+        out[("bf16", mode)] = {"losses": _train(model, mode, dp, "mlp"), "params": _params(model)}
     out["fsdp2_bf16"] = _fsdp2_bf16(mesh, dp)
     out["errors"] = _bad_orders(mesh)
     return out
@@ -122,16 +121,14 @@ def _fsdp2_bf16(mesh, dp: int) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(0)
-    model = Llama(llama_config("tiny"))
-    parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    model = MLP()
+    parallelize_module(model, mesh["tp"], mlp_plan())
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
-        loss = model(tokens(step, dp)).loss
+        loss = _mlp_loss(model, step, dp)
         loss.backward()
         opt.step()
         opt.zero_grad()
