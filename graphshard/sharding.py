@@ -53,7 +53,7 @@ class ShardedParam:
     """What one sharded parameter is: its names, full shape, bucket and the Parameter."""
 
     names: list[str]
-    full_shape: torch.Size
+    full_shape: torch.Size  # what the dp gather rebuilds: under TP, this rank's TP piece
     bucket: int
     pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
     param: nn.Parameter  # a DTensor: the full shape, this rank's rows as local tensor

@@ -71,6 +71,15 @@ def test_state_dicts_and_dcp_on_the_dp_tp_mesh(world4):
             torch.testing.assert_close(got["reloaded"][name], value, rtol=0, atol=0, msg=name)
 
 
+def test_checkpoints_resume_exactly_and_full_weights_load(world4):
+    for res in world4:
+        got = res["checkpoint"]
+        for name, value in got["continued"].items():
+            torch.testing.assert_close(got["resumed"][name], value, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(got["full_loaded"][name], got["saved"][name], rtol=0,
+                                       atol=0, msg=name)
+
+
 def test_wrong_orders_say_the_right_one(world4):
     errors = world4[0]["errors"]
     right_order = "parallelize_module(model, mesh['tp'], plan); graphshard.shard(model, mesh['dp'])"

@@ -111,6 +111,7 @@ def dp_tp_job(rank: int, world_size: int, save_dir: str) -> dict:
         model = _tp_model("mlp", mesh["tp"], mesh["dp"], BF16)
         out[("bf16", mode)] = {"losses": _train(model, mode, dp, "mlp"), "params": _params(model)}
     out["fsdp2_bf16"] = _fsdp2_bf16(mesh, dp)
+    out["checkpoint"] = _checkpoint_round_trip(mesh, dp, save_dir)
     out["errors"] = _bad_orders(mesh)
     return out
 
@@ -147,6 +148,40 @@ def _state_dict_round_trip(model, mesh, save_dir: str) -> dict:
     dcp.load(sd, checkpoint_id=save_dir)
     fresh.load_state_dict(sd)
     return {"full": full, "reloaded": _params(fresh)}
+
+
+def _checkpoint_round_trip(mesh, dp: int, save_dir: str) -> dict:
+    """graphshard's checkpoints with Adam state, and ``load_full_checkpoint``, on dp x tp: a
+    resumed run continues exactly as the one that never stopped."""
+    import os
+
+    import torch.distributed as dist
+
+    def adam_step(model, opt, step: int) -> None:
+        _mlp_loss(model, step, dp).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = _tp_model("mlp", mesh["tp"], mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    adam_step(model, opt, 0)
+    graphshard.save_checkpoint(os.path.join(save_dir, "ckpt"), model, opt, step=1)
+    full = full_state(model)
+    full_path = os.path.join(save_dir, "full.pt")
+    if dist.get_rank() == 0:
+        torch.save(full, full_path)
+    dist.barrier()
+    adam_step(model, opt, 1)
+
+    resumed = _tp_model("mlp", mesh["tp"], mesh["dp"], seed=1)
+    resumed_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    graphshard.load_checkpoint(graphshard.latest_checkpoint(os.path.join(save_dir, "ckpt")),
+                               resumed, resumed_opt)
+    adam_step(resumed, resumed_opt, 1)
+    loaded = _tp_model("mlp", mesh["tp"], mesh["dp"], seed=2)
+    graphshard.load_full_checkpoint(loaded, full_path)
+    return {"saved": full, "full_loaded": _params(loaded), "continued": _params(model),
+            "resumed": _params(resumed)}
 
 
 def _bad_orders(mesh) -> dict[str, str]:
