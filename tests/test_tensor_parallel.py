@@ -37,8 +37,11 @@ def test_dp_by_tp_matches_one_process(world4, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_llama_with_its_tp_plan_matches_one_process(world4, mode):
-    _assert_matches(world4, ("llama", mode), tp_jobs.reference("llama", 2, lr=0.5))
+@pytest.mark.parametrize("plan", ["llama", "llama_sp"])
+def test_llama_with_its_tp_plan_matches_one_process(world4, plan, mode):
+    """The Megatron plan, and with sequence parallel (SequenceParallel norms,
+    PrepareModuleInput, row-split embedding, column-split output) as torchtitan runs it."""
+    _assert_matches(world4, (plan, mode), tp_jobs.reference("llama", 2, lr=0.5))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -51,11 +51,16 @@ def _mlp_loss(run, step: int, dp: int, micro: int = 0) -> torch.Tensor:
 
 
 def _tp_model(kind: str, tp_mesh, dp_mesh, policy=None, seed: int = 0) -> nn.Module:
+    """``kind``: "mlp", "llama" (Megatron TP plan) or "llama_sp" (plus sequence parallel)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
-    model = MLP() if kind == "mlp" else Llama(llama_config("tiny"))
-    parallelize_module(model, tp_mesh, mlp_plan() if kind == "mlp" else tensor_parallel_plan(model))
+    if kind == "mlp":
+        model, plan = MLP(), mlp_plan()
+    else:
+        model = Llama(llama_config("tiny"))
+        plan = tensor_parallel_plan(model, sequence_parallel=kind == "llama_sp")
+    parallelize_module(model, tp_mesh, plan)
     return graphshard.shard(model, dp_mesh, mixed_precision=policy)
 
 
@@ -108,6 +113,9 @@ def dp_tp_job(rank: int, world_size: int, save_dir: str) -> dict:
                                 "params": _params(model)}
         if mode == "eager":
             out["state"] = _state_dict_round_trip(model, mesh, save_dir)
+        model = _tp_model("llama_sp", mesh["tp"], mesh["dp"])
+        out[("llama_sp", mode)] = {"losses": _train(model, mode, dp, "llama", lr=0.5),
+                                   "params": _params(model)}
         model = _tp_model("mlp", mesh["tp"], mesh["dp"], BF16)
         out[("bf16", mode)] = {"losses": _train(model, mode, dp, "mlp"), "params": _params(model)}
     out["fsdp2_bf16"] = _fsdp2_bf16(mesh, dp)

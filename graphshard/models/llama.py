@@ -406,17 +406,51 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
     )
 
 
-def tensor_parallel_plan(model: Llama) -> dict:
+def tensor_parallel_plan(model: Llama, *, sequence_parallel: bool = False) -> dict:
     """A ``parallelize_module`` plan for :class:`Llama` (Megatron style): attention heads and
     the FFN hidden dimension split across the TP ranks (q/k/v and w1/w3 column-wise, wo and
-    w2 row-wise); embeddings, norms and the output stay replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    w2 row-wise); embeddings, norms and the output replicated.
+
+    With ``sequence_parallel`` (as torchtitan does it) the activations between the blocks
+    are split along the sequence too: the norms run on 1/tp of the tokens
+    (``SequenceParallel``), each block's input is gathered before attention and the FFN
+    (``PrepareModuleInput``), wo and w2 reduce-scatter their outputs, and the embedding
+    (vocab rows) and the output layer (vocab columns) are split across tp. Needs untied
+    embeddings.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     plan = {}
+    if sequence_parallel:
+        if model.tok_embeddings.weight is model.output.weight:
+            raise ValueError(
+                "tensor_parallel_plan(sequence_parallel=True) splits the embedding by rows "
+                "and the output layer by columns; a model with tied embeddings "
+                "(tie_embeddings=True) takes the plan without sequence_parallel."
+            )
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1))
+        plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     for i in range(len(model.layers)):
         for name in ("attention.wq", "attention.wk", "attention.wv",
                      "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attention.wo", "feed_forward.w2"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+            plan[f"layers.{i}.{name}"] = (RowwiseParallel(output_layouts=Shard(1))
+                                          if sequence_parallel else RowwiseParallel())
+        if sequence_parallel:
+            for name in ("attention_norm", "ffn_norm"):
+                plan[f"layers.{i}.{name}"] = SequenceParallel()
+            plan[f"layers.{i}.attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None))
+            plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
