@@ -77,11 +77,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import os
 
     from graphshard.offline import mesh_shape
-    from graphshard.whatif import format_table, plan_many, rows_as_dicts, symbolic_report
+    from graphshard.whatif import (
+        format_table,
+        plan_many,
+        resolve_factory,
+        rows_as_dicts,
+        symbolic_report,
+    )
 
     sizes = [int(n) for n in args.world_size.split(",")]
-    for n in sizes:
-        mesh_shape(n, args.tp)  # tp must divide every world size: fail before tracing
+    for n in sizes:  # fail before tracing: tp divides every world size, splits the model
+        mesh_shape(n, args.tp)
+    resolve_factory(args.model, args.batch_size, args.seq_len, args.tp)
     jobs = args.jobs or min(len(sizes), os.cpu_count() or 1)
     rows = []
     for row in plan_many(args.model, args.batch_size, args.seq_len, sizes, _plan_options(args),

@@ -91,10 +91,18 @@ class WhatIf:
         return max(self.compute_s, self.comm_s)
 
 
-def llama_factory(name: str, batch_size: int, seq_len: int) -> Factory:
+def llama_factory(name: str, batch_size: int, seq_len: int, tp: int = 1) -> Factory:
     """A factory for a Llama preset of ``graphshard.models.llama`` with token inputs
-    (``batch_size`` sequences per dp rank) and its tensor-parallel plan."""
-    from graphshard.models.llama import Llama, llama_config, tensor_parallel_plan
+    (``batch_size`` sequences per dp rank) and its tensor-parallel plan; ValueError if the
+    preset does not split over ``tp`` ranks."""
+    from graphshard.models.llama import (
+        Llama,
+        check_tensor_parallel,
+        llama_config,
+        tensor_parallel_plan,
+    )
+
+    check_tensor_parallel(llama_config(name), tp)
 
     def build():
         cfg = llama_config(name)
@@ -105,9 +113,9 @@ def llama_factory(name: str, batch_size: int, seq_len: int) -> Factory:
     return build
 
 
-def resolve_factory(model: str, batch_size: int, seq_len: int) -> Factory:
+def resolve_factory(model: str, batch_size: int, seq_len: int, tp: int = 1) -> Factory:
     """A Llama preset name, or ``MODULE:FACTORY`` (a file in the current directory or an
-    importable module), as a factory."""
+    importable module), as a factory (a preset's is checked to split over ``tp`` ranks)."""
     if ":" in model:
         import sys
         from pathlib import Path
@@ -116,12 +124,13 @@ def resolve_factory(model: str, batch_size: int, seq_len: int) -> Factory:
 
         sys.path.insert(0, str(Path.cwd()))
         return load_factory(model)
-    return llama_factory(model, batch_size, seq_len)
+    return llama_factory(model, batch_size, seq_len, tp)
 
 
 def plan_one(model: str, batch_size: int, seq_len: int, world_size: int, options: dict) -> WhatIf:
     """:func:`what_if` for a model named as on the command line (picklable: runs in workers)."""
-    return what_if(resolve_factory(model, batch_size, seq_len), world_size, **options)
+    factory = resolve_factory(model, batch_size, seq_len, options.get("tp", 1))
+    return what_if(factory, world_size, **options)
 
 
 def plan_many(

@@ -83,6 +83,8 @@ def test_tp_must_divide_the_world_size(tmp_path):
         main(["plan", "--model", "tiny", "--world-size", "8,6", "--tp", "4"])
     with pytest.raises(ValueError, match="must divide"):
         main(["dump", "x:build", "--world-size", "6", "--tp", "4", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"n_kv_heads \(2\) must be divisible by tp"):
+        main(["plan", "--model", "tiny", "--world-size", "8", "--tp", "4"])  # 4 heads, 2 kv
 
 
 def test_tp_needs_a_plan_from_the_factory(tmp_path, monkeypatch):
