@@ -1,7 +1,8 @@
 """The ``graphshard`` command: offline graph dumps, what-if plans, machine calibration.
 
-    graphshard dump MODULE:FACTORY --world-size 8 --out DIR
+    graphshard dump MODULE:FACTORY --world-size 8 --out DIR [--tp 2]
     graphshard plan --model llama3-8b --world-size 8,64,512,1024 --profile h100-nvlink
+    graphshard plan --model llama3-70b --world-size 1024 --tp 8   # (dp, tp) = (128, 8)
     graphshard calibrate
 """
 
@@ -15,7 +16,17 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+TP_HELP = (
+    "tensor-parallel degree (default 1: none). The world size counts all ranks, dp x tp: "
+    "--world-size 1024 --tp 8 is a (dp, tp) = (128, 8) mesh; tp must divide it. The model is "
+    "parallelize_module'd on mesh['tp'] with its plan (Llama presets: "
+    "graphshard.models.llama.tensor_parallel_plan; MODULE:FACTORY: FACTORY returns (model, "
+    "inputs, tp_plan)), then sharded over mesh['dp']; the inputs are one dp rank's"
+)
+
+
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help=TP_HELP)
     parser.add_argument("--bucketing", choices=["block", "size", "auto"], default="block",
                         help="bucketing strategy (user groups from shard() always kept)")
     parser.add_argument("--bucket-bytes", type=int, default=25 * 2**20,
@@ -36,20 +47,24 @@ def _plan_options(args: argparse.Namespace) -> dict:
         "prefetch_depth": args.prefetch_depth,
         "max_unsharded_bytes": args.max_unsharded_bytes,
         "profile": args.profile,
+        "tp": args.tp,
     }
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """Trace MODULE:FACTORY offline and write graphs, bucket tables and timelines."""
-    from graphshard.offline import load_factory, trace_offline
+    from graphshard.offline import load_factory, mesh_shape, trace_offline
 
+    dp, tp = mesh_shape(args.world_size, args.tp)
     sys.path.insert(0, str(Path.cwd()))
     factory = load_factory(args.factory)
     out = Path(args.out)
     start = time.perf_counter()
     graphs = trace_offline(factory, args.world_size, dump_dir=str(out), **_plan_options(args))
     elapsed = time.perf_counter() - start
-    print(f"traced {len(graphs)} graph(s) at world size {args.world_size} in {elapsed:.1f} s")
+    mesh = f" ((dp, tp) = ({dp}, {tp}))" if tp > 1 else ""
+    print(f"traced {len(graphs)} graph(s) at world size {args.world_size}{mesh} in "
+          f"{elapsed:.1f} s")
     for table in sorted(out.glob("rank0/graph*/*_schedule.txt")):
         print(f"\n== {table.relative_to(out)}\n{table.read_text()}")
     print(f"graphs, bucket tables and timelines (*.json for ui.perfetto.dev, *.png) in {out}")
@@ -61,16 +76,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from graphshard.whatif import format_table, plan_many, rows_as_dicts, symbolic_report
+    from graphshard.offline import mesh_shape
+    from graphshard.whatif import (
+        format_table,
+        plan_many,
+        resolve_factory,
+        rows_as_dicts,
+        symbolic_report,
+    )
 
     sizes = [int(n) for n in args.world_size.split(",")]
+    for n in sizes:  # fail before tracing: tp divides every world size, splits the model
+        mesh_shape(n, args.tp)
+    resolve_factory(args.model, args.batch_size, args.seq_len, args.tp)
     jobs = args.jobs or min(len(sizes), os.cpu_count() or 1)
     rows = []
     for row in plan_many(args.model, args.batch_size, args.seq_len, sizes, _plan_options(args),
                          jobs):
         rows.append(row)
-        print(f"N={row.world_size}: traced in {row.trace_s:.1f} s (passes {row.passes_s:.1f} s)",
-              flush=True)
+        mesh = f" (dp {row.dp} x tp {row.tp})" if row.tp > 1 else ""
+        print(f"N={row.world_size}{mesh}: traced in {row.trace_s:.1f} s (passes "
+              f"{row.passes_s:.1f} s)", flush=True)
     print(f"\n{args.model} on {args.profile}, memory per rank, bytes per rank and step\n")
     print(format_table(rows))
     if args.symbolic:
@@ -101,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     dump = sub.add_parser("dump", help="trace a model offline (fake ranks and tensors) and "
                           "write its graphs, bucket table and predicted timeline")
-    dump.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, inputs)")
-    dump.add_argument("--world-size", type=int, default=8)
+    dump.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, inputs), or "
+                      "(model, inputs, tp_plan) for --tp")
+    dump.add_argument("--world-size", type=int, default=8,
+                      help="ranks in all (dp x tp with --tp)")
     dump.add_argument("--out", required=True, help="output directory")
     _add_plan_options(dump)
     dump.set_defaults(func=cmd_dump)
@@ -113,8 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a preset of graphshard.models.llama (llama3-8b, llama3-70b, ...) "
                       "or MODULE:FACTORY")
     plan.add_argument("--world-size", default="8,64,512,1024",
-                      help="comma-separated world sizes")
-    plan.add_argument("--batch-size", type=int, default=1, help="sequences per rank (presets)")
+                      help="comma-separated world sizes, each counting all ranks (dp x tp "
+                      "with --tp: --world-size 1024 --tp 8 is dp 128)")
+    plan.add_argument("--batch-size", type=int, default=1,
+                      help="sequences per dp rank (presets; the tp ranks of one dp rank share "
+                      "them)")
     plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (presets)")
     plan.add_argument("--symbolic", action="store_true",
                       help="also print bytes and memory as formulas in N, checked")

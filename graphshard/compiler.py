@@ -45,8 +45,9 @@ from passes import (
     prefetch,
     reshard,
 )
+from passes.cost_model import collective_group, collective_kind
 
-__all__ = ["backend", "GraphshardBackend", "PIPELINE"]
+__all__ = ["backend", "GraphshardBackend", "PIPELINE", "record_group_sizes"]
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
@@ -68,6 +69,26 @@ def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper) 
         gm = fn(gm, plan)
         dumper.write(stage, step, fn.__name__, gm)
     return gm
+
+
+def record_group_sizes(gm: fx.GraphModule) -> None:
+    """Write ``node.meta["group_size"]`` on every all-reduce and all-to-all of ``gm`` whose
+    arguments only name their group (DTensor's tensor-parallel collectives), so that the
+    cost model, which never sees a process group, can price them. Groups this process does
+    not know are left alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for node in gm.graph.nodes:
+        if collective_kind(node) not in ("all_reduce", "all_to_all"):
+            continue
+        name, size = collective_group(node)
+        if size is None:
+            try:
+                node.meta["group_size"] = _resolve_process_group(name).size()
+            except (ValueError, RuntimeError, KeyError):
+                pass
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
@@ -121,6 +142,7 @@ class GraphshardBackend:
         self.graphs.append(stages)
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
+            record_group_sizes(graph)
             stages[stage] = run_passes(stage, graph, plan, dumper)
             if dumper.enabled and stage in ("fw", "bw", "inference"):
                 write_schedule(stages[stage], plan.profile, dumper.dir, stage)

@@ -3,6 +3,10 @@
 Everything the compiler does (Dynamo, AOTAutograd, the passes) runs on shapes only, so a
 70B-parameter model at 1024 ranks is planned on a laptop: parameters, activations and
 collectives are fake tensors, nothing is allocated, nothing is sent.
+
+With ``tp > 1`` the ranks form a ``(dp, tp)`` mesh: the factory's tensor-parallel plan is
+applied with torch's ``parallelize_module`` on ``mesh["tp"]``, then ``shard()`` shards over
+``mesh["dp"]``, as a user composing graphshard with tensor parallelism does.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +28,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graphshard.compiler import GraphshardBackend
 from graphshard.sharding import shard
 
-__all__ = ["fake_process_group", "load_factory", "trace_offline", "scalar_loss"]
+__all__ = [
+    "fake_process_group",
+    "load_factory",
+    "trace_offline",
+    "trace_step_offline",
+    "OfflineTrace",
+    "mesh_shape",
+    "scalar_loss",
+]
 
-Factory = Callable[[], tuple[nn.Module, tuple]]
+# ``factory()`` returns ``(model, example_inputs)``, or ``(model, example_inputs, tp_plan)``
+# where ``tp_plan`` is a ``parallelize_module`` plan (a ParallelStyle, or a dict of module
+# name -> ParallelStyle) used when tracing with ``tp > 1``.
+Factory = Callable[[], tuple]
 
 
 @contextlib.contextmanager
@@ -48,7 +64,8 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessG
 
 def load_factory(spec: str) -> Factory:
     """``MODULE:FACTORY`` -> the function. MODULE is a .py file (path or in the current
-    directory) or an importable module; FACTORY returns ``(model, example_inputs_tuple)``."""
+    directory) or an importable module; FACTORY returns ``(model, example_inputs_tuple)``,
+    or ``(model, example_inputs_tuple, tp_plan)`` for tensor parallelism (``--tp``)."""
     if ":" not in spec:
         raise ValueError(f"expected MODULE:FACTORY (e.g. mymodels.py:build), got {spec!r}")
     module_name, factory_name = spec.rsplit(":", 1)
@@ -78,28 +95,130 @@ def scalar_loss(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot make a loss out of a {type(output).__name__}; return a tensor")
 
 
-def trace_offline(
+def mesh_shape(world_size: int, tp: int = 1) -> tuple[int, int]:
+    """``(dp, tp)`` for ``world_size`` ranks in all, ``tp`` of them per tensor-parallel group;
+    ValueError unless ``tp`` divides ``world_size``."""
+    if tp < 1 or world_size < 1:
+        raise ValueError(f"world size ({world_size}) and tp ({tp}) must be positive")
+    if world_size % tp:
+        raise ValueError(
+            f"tp ({tp}) must divide the world size ({world_size}): the world size counts all "
+            f"ranks, dp x tp (e.g. --world-size {tp * max(1, world_size // tp)} --tp {tp})"
+        )
+    return world_size // tp, tp
+
+
+@dataclass
+class OfflineTrace:
+    """What :func:`trace_step_offline` traced: the graphs and the mesh they run on."""
+
+    graphs: list[dict[str, fx.GraphModule]]  # GraphshardBackend.graphs
+    dp: int  # ranks graphshard shards across
+    tp: int  # ranks of one tensor-parallel group (1: no tensor parallelism)
+    groups: dict[str, str]  # process group name -> mesh dimension ("dp" or "tp")
+    model_params: int  # parameter elements of the whole model (tied ones once)
+    tp_split_params: int  # of which tensor parallelism splits across the tp ranks
+
+
+def _unpack(built: Any, tp: int) -> tuple[nn.Module, tuple, Any]:
+    if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
+        raise ValueError(
+            "the factory must return (model, example_inputs) or (model, example_inputs, "
+            f"tp_plan), got {type(built).__name__}"
+        )
+    model, inputs, *rest = built
+    plan = rest[0] if rest else None
+    if tp > 1 and plan is None:
+        raise ValueError(
+            f"tp={tp} needs a tensor-parallel plan: let the factory return (model, inputs, "
+            "tp_plan), tp_plan being what torch.distributed.tensor.parallel.parallelize_module"
+            " takes (e.g. {'layers.0.attention.wq': ColwiseParallel(), ...}; the Llama presets"
+            " use graphshard.models.llama.tensor_parallel_plan)"
+        )
+    return model, tuple(inputs), plan
+
+
+def _param_counts(model: nn.Module) -> tuple[int, int]:
+    """All parameter elements of the sharded ``model`` and those tensor parallelism splits."""
+    from torch.distributed.tensor import Shard
+
+    from graphshard.sharding import shard_state
+
+    total = split = 0
+    for entry in shard_state(model).params:
+        numel = entry.param.numel()  # the global size of the DTensor parameter
+        total += numel
+        if entry.tp is not None and any(isinstance(p, Shard) for p in entry.tp[1]):
+            split += numel  # entry.tp: (tp mesh, tp placements, global shape, stride)
+    return total, split
+
+
+def trace_step_offline(
     factory: Factory,
     world_size: int,
     *,
+    tp: int = 1,
     shard_options: dict | None = None,
     backward: bool = True,
     **backend_options: Any,
-) -> list[dict[str, fx.GraphModule]]:
+) -> OfflineTrace:
     """Shard, compile and run one step of ``factory()``'s model on fake ranks and tensors.
 
-    Returns the backend's graphs (one dict of stage -> transformed graph per compiled graph).
-    ``backend_options`` go to :class:`GraphshardBackend` (``dump_dir`` included).
+    ``world_size`` counts all ranks. With ``tp > 1`` they form a ``(world_size // tp, tp)``
+    mesh named ``("dp", "tp")``: the factory's plan (its third return value) is applied on
+    ``mesh["tp"]`` and the model sharded over ``mesh["dp"]``; the inputs are then one dp
+    rank's, the same on every tp rank. ``backend_options`` go to :class:`GraphshardBackend`
+    (``dump_dir`` included).
     """
-    with fake_process_group(world_size):
+    dp, tp = mesh_shape(world_size, tp)
+    with fake_process_group(world_size) as world:
+        mesh = None
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            model, inputs = factory()
-            shard(model, **(shard_options or {}))
+            model, inputs, plan = _unpack(factory(), tp)
+            if mesh is not None:
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(model, mesh["tp"], plan)
+                shard(model, mesh["dp"], **(shard_options or {}))
+            else:
+                shard(model, **(shard_options or {}))
+        if mesh is None:
+            groups = {world.group_name: "dp"}
+        else:
+            groups = {mesh["dp"].get_group().group_name: "dp",
+                      mesh["tp"].get_group().group_name: "tp"}
+        total, split = _param_counts(model)
         backend = GraphshardBackend(inductor=False, **backend_options)
         compiled = torch.compile(model, backend=backend)
         with mode:
             output = compiled(*inputs)
             if backward:
                 scalar_loss(output).backward()
-        return backend.graphs
+        return OfflineTrace(backend.graphs, dp, tp, groups, total, split)
+
+
+def trace_offline(
+    factory: Factory,
+    world_size: int,
+    *,
+    tp: int = 1,
+    shard_options: dict | None = None,
+    backward: bool = True,
+    **backend_options: Any,
+) -> list[dict[str, fx.GraphModule]]:
+    """Shard, compile and run one step of ``factory()``'s model on fake ranks and tensors.
+
+    Returns the backend's graphs (one dict of stage -> transformed graph per compiled graph);
+    :func:`trace_step_offline` (same arguments) also says which process group is which mesh
+    dimension. ``world_size`` counts all ranks, ``tp`` of them per tensor-parallel group.
+    ``backend_options`` go to :class:`GraphshardBackend` (``dump_dir`` included).
+    """
+    return trace_step_offline(
+        factory, world_size, tp=tp, shard_options=shard_options, backward=backward,
+        **backend_options,
+    ).graphs

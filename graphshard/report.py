@@ -7,10 +7,20 @@ from pathlib import Path
 from torch import fx
 
 from graphshard.timeline import render_png, write_trace
-from passes.cost_model import HardwareProfile, collective_kind, node_time
+from passes.cost_model import (
+    HardwareProfile,
+    collective_bytes_per_rank,
+    collective_group,
+    collective_kind,
+    node_time,
+)
 from passes.simulate import Timeline, simulate
 
-__all__ = ["bucket_rows", "bucket_table", "step_summary", "write_schedule"]
+__all__ = [
+    "bucket_rows", "bucket_table", "collectives_by_group", "step_summary", "write_schedule",
+]
+
+STEP_STAGES = ("fw", "bw", "inference")
 
 
 def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
@@ -31,6 +41,7 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
                 "names": tag.get("params", []),
                 "unsharded_bytes": full.numel() * full.element_size(),
                 "world_size": int(world),
+                "bytes_sent": collective_bytes_per_rank(node),
                 "seconds": node_time(node, profile),
             }
         )
@@ -74,22 +85,24 @@ def write_schedule(
 def step_summary(graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfile) -> dict:
     """Collectives, bytes and predicted time of one training step over all compiled graphs.
 
-    ``graphs`` is ``GraphshardBackend.graphs``. Bytes are what one rank sends on a ring:
-    ``(N-1)/N`` of each collective's full (unsharded) buffer.
+    ``graphs`` is ``GraphshardBackend.graphs``. Bytes are what one rank sends on a ring for
+    graphshard's own collectives: ``(N-1)/N`` of each all-gather's or reduce-scatter's full
+    (unsharded) buffer, ``2(N-1)/N`` of an (HSDP) all-reduce's. Collectives graphshard did
+    not insert (tensor parallelism's) are in :func:`collectives_by_group`; the predicted
+    times include them.
     """
-    counts = {"all_gather": 0, "reduce_scatter": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     sent = 0.0
     predicted = exposed = 0.0
     peak = 0
     for stages in graphs:
-        for stage in ("fw", "bw", "inference"):
+        for stage in STEP_STAGES:
             if stage not in stages:
                 continue
             gm = stages[stage]
             for row in bucket_rows(gm, profile):
                 counts[row["kind"]] += 1
-                world = row["world_size"]
-                sent += (world - 1) / world * row["unsharded_bytes"]
+                sent += row["bytes_sent"]
             timeline = simulate(gm, profile)
             predicted += timeline.total_time
             exposed += timeline.exposed_comm
@@ -97,9 +110,34 @@ def step_summary(graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfi
     return {
         "all_gathers": counts["all_gather"],
         "reduce_scatters": counts["reduce_scatter"],
+        "all_reduces": counts["all_reduce"],
         "bytes_sent_per_rank": int(round(sent)),
         "predicted_step_s": predicted,
         "predicted_exposed_comm_s": exposed,
         "peak_unsharded_bytes": peak,
     }
 
+
+
+def collectives_by_group(
+    graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfile
+) -> dict[str, dict]:
+    """Every collective of one training step (graphshard's and any other, such as DTensor's
+    tensor-parallel ones), by process group name: ``count``, ``bytes`` one rank sends (the
+    ring formula of :func:`passes.cost_model.collective_bytes_per_rank`) and ``seconds``
+    (the cost model's time, overlapped or not)."""
+    out: dict[str, dict] = {}
+    for stages in graphs:
+        for stage in STEP_STAGES:
+            if stage not in stages:
+                continue
+            for node in stages[stage].graph.nodes:
+                if collective_kind(node) is None:
+                    continue
+                group = out.setdefault(
+                    collective_group(node)[0], {"count": 0, "bytes": 0.0, "seconds": 0.0}
+                )
+                group["count"] += 1
+                group["bytes"] += collective_bytes_per_rank(node)
+                group["seconds"] += node_time(node, profile)
+    return out

@@ -4,6 +4,12 @@ For each world size the real architecture is traced on fake tensors and a fake p
 and the compiler's own passes run on it (nothing allocated, nothing sent); the scheduled
 graphs then give bucket count, per-rank memory, bytes per step and the cost model's
 predicted step time.
+
+With tensor parallelism (``tp > 1``) the world size counts all ranks, a ``(dp, tp)`` mesh:
+graphshard shards over dp what tensor parallelism left on each rank, and every collective
+of the graphs is attributed to a mesh dimension by its process group: graphshard's
+all-gathers and reduce-scatters to dp, DTensor's all-reduces (and all-gathers,
+reduce-scatters, all-to-alls) to tp.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
-from graphshard.offline import Factory, trace_offline
-from graphshard.report import step_summary
+from graphshard.offline import Factory, trace_step_offline
+from graphshard.report import collectives_by_group, step_summary
 from passes.cost_model import get_profile
 from passes.markers import is_unshard, marker_args
 from passes.simulate import gathered_nodes, simulate
@@ -37,11 +43,18 @@ ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size of the sharded paramete
 
 @dataclass
 class WhatIf:
-    """One world size: memory per rank (bytes), traffic per rank and step, predicted times (s)."""
+    """One world size: memory per rank (bytes), traffic per rank and step, predicted times (s).
+
+    ``world_size`` = ``dp`` × ``tp`` ranks. Memory is per rank, from the traced graphs: the
+    parameters tensor parallelism splits count 1/(dp·tp), the others 1/dp.
+    ``bytes_per_step`` = ``dp_bytes_per_step`` + ``tp_bytes_per_step``; ``comm_s`` includes
+    the tensor-parallel collectives (``tp_comm_s``), which the simulator puts on the one
+    comm stream and the step waits for at once (not overlapped).
+    """
 
     world_size: int
     buckets: int
-    params: int  # Ψ: parameters of the model
+    params: int  # Ψ: parameters graphshard shards over dp (per tp rank: TP-local shapes)
     params_regathered: int  # parameters the backward gathers again
     param_bytes: int  # bytes per parameter element (sharded master copy)
     sharded_params: int
@@ -52,6 +65,13 @@ class WhatIf:
     bytes_per_step: int
     compute_s: float
     comm_s: float
+    dp: int  # ranks graphshard shards across
+    tp: int  # ranks of one tensor-parallel group
+    model_params: int  # all parameters of the model
+    tp_split_params: int  # of which tensor parallelism splits
+    dp_bytes_per_step: int  # graphshard's all-gathers and reduce-scatters, per rank
+    tp_bytes_per_step: int  # tensor parallelism's collectives, per rank
+    tp_comm_s: float  # cost-model time of the tensor-parallel collectives
     predicted_step_s: float
     exposed_comm_s: float
     trace_s: float
@@ -71,21 +91,31 @@ class WhatIf:
         return max(self.compute_s, self.comm_s)
 
 
-def llama_factory(name: str, batch_size: int, seq_len: int) -> Factory:
-    """A factory for a Llama preset of ``graphshard.models.llama`` with token inputs."""
-    from graphshard.models.llama import Llama, llama_config
+def llama_factory(name: str, batch_size: int, seq_len: int, tp: int = 1) -> Factory:
+    """A factory for a Llama preset of ``graphshard.models.llama`` with token inputs
+    (``batch_size`` sequences per dp rank) and its tensor-parallel plan; ValueError if the
+    preset does not split over ``tp`` ranks."""
+    from graphshard.models.llama import (
+        Llama,
+        check_tensor_parallel,
+        llama_config,
+        tensor_parallel_plan,
+    )
+
+    check_tensor_parallel(llama_config(name), tp)
 
     def build():
         cfg = llama_config(name)
         tokens = (batch_size, min(seq_len, cfg.max_seq_len))
-        return Llama(cfg), (torch.randint(0, cfg.vocab_size, tokens),)
+        model = Llama(cfg)
+        return model, (torch.randint(0, cfg.vocab_size, tokens),), tensor_parallel_plan(model)
 
     return build
 
 
-def resolve_factory(model: str, batch_size: int, seq_len: int) -> Factory:
+def resolve_factory(model: str, batch_size: int, seq_len: int, tp: int = 1) -> Factory:
     """A Llama preset name, or ``MODULE:FACTORY`` (a file in the current directory or an
-    importable module), as a factory."""
+    importable module), as a factory (a preset's is checked to split over ``tp`` ranks)."""
     if ":" in model:
         import sys
         from pathlib import Path
@@ -94,12 +124,13 @@ def resolve_factory(model: str, batch_size: int, seq_len: int) -> Factory:
 
         sys.path.insert(0, str(Path.cwd()))
         return load_factory(model)
-    return llama_factory(model, batch_size, seq_len)
+    return llama_factory(model, batch_size, seq_len, tp)
 
 
 def plan_one(model: str, batch_size: int, seq_len: int, world_size: int, options: dict) -> WhatIf:
     """:func:`what_if` for a model named as on the command line (picklable: runs in workers)."""
-    return what_if(resolve_factory(model, batch_size, seq_len), world_size, **options)
+    factory = resolve_factory(model, batch_size, seq_len, options.get("tp", 1))
+    return what_if(factory, world_size, **options)
 
 
 def plan_many(
@@ -162,8 +193,11 @@ def _regathered(bw: fx.GraphModule) -> set[str]:
     return names
 
 
-def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) -> WhatIf:
-    """Trace ``factory()`` at ``world_size`` fake ranks and size up one training step."""
+def what_if(
+    factory: Factory, world_size: int, *, profile: str, tp: int = 1, **plan_options
+) -> WhatIf:
+    """Trace ``factory()`` at ``world_size`` fake ranks (``world_size // tp`` × ``tp``) and
+    size up one training step."""
     import graphshard.compiler as compiler
 
     spent = {"passes": 0.0}
@@ -179,12 +213,14 @@ def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) 
     start = time.perf_counter()
     compiler.run_passes = timed
     try:
-        graphs = trace_offline(factory, world_size, profile=profile, **plan_options)
+        trace = trace_step_offline(factory, world_size, tp=tp, profile=profile, **plan_options)
     finally:
         compiler.run_passes = run_passes
     trace_s = time.perf_counter() - start
+    graphs = trace.graphs
     hw = get_profile(profile)
     summary = step_summary(graphs, hw)
+    per_dim = _per_dimension(collectives_by_group(graphs, hw), trace.groups)
     markers = [m for stages in graphs for m in _markers(stages["joint"])]
     params = sum(math.prod(marker_args(m).full_shape) for m in markers)
     shard_bytes = sum(_nbytes(marker_args(m).shard) for m in markers)
@@ -205,6 +241,10 @@ def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) 
         )
     return WhatIf(
         world_size=world_size,
+        dp=trace.dp,
+        tp=trace.tp,
+        model_params=trace.model_params,
+        tp_split_params=trace.tp_split_params,
         buckets=len(buckets),
         params=params,
         params_regathered=regathered,
@@ -214,9 +254,12 @@ def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) 
         adam_state=ADAM_STATES * shard_bytes,
         peak_unsharded=summary["peak_unsharded_bytes"],
         activations=activations,
-        bytes_per_step=summary["bytes_sent_per_rank"],
+        bytes_per_step=per_dim["dp"]["bytes"] + per_dim["tp"]["bytes"],
+        dp_bytes_per_step=per_dim["dp"]["bytes"],
+        tp_bytes_per_step=per_dim["tp"]["bytes"],
         compute_s=compute,
         comm_s=comm,
+        tp_comm_s=per_dim["tp"]["seconds"],
         predicted_step_s=summary["predicted_step_s"],
         exposed_comm_s=summary["predicted_exposed_comm_s"],
         trace_s=trace_s,
@@ -224,25 +267,49 @@ def what_if(factory: Factory, world_size: int, *, profile: str, **plan_options) 
     )
 
 
+def _per_dimension(by_group: dict[str, dict], groups: dict[str, str]) -> dict[str, dict]:
+    """Bytes (rounded to whole bytes) and seconds of the collectives per mesh dimension."""
+    unknown = sorted(set(by_group) - set(groups))
+    if unknown:
+        raise ValueError(
+            f"collectives on process group(s) {unknown}, which are neither the dp nor the tp "
+            f"dimension of the traced mesh ({groups}): cannot attribute their traffic"
+        )
+    out = {dim: {"bytes": 0.0, "seconds": 0.0} for dim in ("dp", "tp")}
+    for name, group in by_group.items():
+        out[groups[name]]["bytes"] += group["bytes"]
+        out[groups[name]]["seconds"] += group["seconds"]
+    for dim in out.values():
+        dim["bytes"] = int(round(dim["bytes"]))
+    return out
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
 def format_table(rows: list[WhatIf]) -> str:
-    """A markdown table, one row per world size."""
+    """A markdown table, one row per world size (N = dp × tp ranks).
+
+    ``bytes/step`` is all a rank sends in a step: ``dp bytes/step`` (graphshard's gathers and
+    reduce-scatters) plus ``tp bytes/step`` (tensor parallelism's collectives); ``comm s``
+    includes ``tp comm s``.
+    """
     head = (
-        "| N | buckets | params GiB | grads GiB | Adam GiB | peak unsharded GiB | activations GiB"
-        " | total GiB | bytes/step GiB | compute s | comm s | predicted s | exposed comm s"
-        " | bound s | trace s | passes s |"
+        "| N | dp x tp | buckets | params GiB | grads GiB | Adam GiB | peak unsharded GiB"
+        " | activations GiB | total GiB | bytes/step GiB | dp bytes/step GiB"
+        " | tp bytes/step GiB | compute s | comm s | tp comm s | predicted s"
+        " | exposed comm s | bound s | trace s | passes s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r.world_size} | {r.buckets} | {_gib(r.sharded_params)} | {_gib(r.grads)} | "
-            f"{_gib(r.adam_state)} | {_gib(r.peak_unsharded)} | {_gib(r.activations)} | "
-            f"{_gib(r.memory_total)} | {_gib(r.bytes_per_step)} | {r.compute_s:.4f} | "
-            f"{r.comm_s:.4f} | {r.predicted_step_s:.4f} | {r.exposed_comm_s:.4f} | "
-            f"{r.bound_s:.4f} | {r.trace_s:.1f} | {r.passes_s:.1f} |"
+            f"| {r.world_size} | {r.dp} x {r.tp} | {r.buckets} | {_gib(r.sharded_params)} | "
+            f"{_gib(r.grads)} | {_gib(r.adam_state)} | {_gib(r.peak_unsharded)} | "
+            f"{_gib(r.activations)} | {_gib(r.memory_total)} | {_gib(r.bytes_per_step)} | "
+            f"{_gib(r.dp_bytes_per_step)} | {_gib(r.tp_bytes_per_step)} | {r.compute_s:.4f} | "
+            f"{r.comm_s:.4f} | {r.tp_comm_s:.4f} | {r.predicted_step_s:.4f} | "
+            f"{r.exposed_comm_s:.4f} | {r.bound_s:.4f} | {r.trace_s:.1f} | {r.passes_s:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -254,6 +321,9 @@ def symbolic_report(rows: list[WhatIf]) -> str:
     Ψ_bw it needs, the reduce-scatter moves Ψ gradients; a ring sends (N-1)/N of each. The
     classic ZeRO-3 figure (N-1)/N·Ψ·(2·b_param + b_reduce) is the case Ψ_bw = Ψ. Padding of
     dim 0 to a multiple of N is the only other difference, and it is shown.
+
+    With tensor parallelism N is the dp degree, Ψ what one tp rank holds, and the formula
+    covers the dp bytes only (the tp bytes depend on activations, not parameters).
     """
     import sympy as sp
 
@@ -261,26 +331,29 @@ def symbolic_report(rows: list[WhatIf]) -> str:
     traffic = (N - 1) / N * (psi * bp + psi_bw * bp + psi * br)
     zero3 = (N - 1) / N * psi * (2 * bp + br)
     state = psi / N * (bp + bp + 2 * bp)  # params + grads + Adam (2 states), all sharded
+    tensor_parallel = any(r.tp > 1 for r in rows)
     lines = [
         f"bytes per rank and step = {sp.simplify(traffic)}",
         f"  (ZeRO-3 textbook, Psi_bw = Psi: {sp.factor(zero3)})",
         f"sharded state per rank (params, grads, Adam) = {sp.simplify(state)}"
         "  (+ padding, + peak unsharded, + activations)",
+        *(["with tensor parallelism: N = dp ranks, Psi = parameters per tp rank, bytes = dp "
+           "bytes only"] if tensor_parallel else []),
         "",
-        "| N | Psi | Psi_bw | formula bytes | graph bytes | rel. diff (padding) "
-        "| formula state | graph state |",
+        f"| {'N (dp)' if tensor_parallel else 'N'} | Psi | Psi_bw | formula bytes | graph bytes "
+        "| rel. diff (padding) | formula state | graph state |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        subs = {N: r.world_size, psi: r.params, psi_bw: r.params_regathered,
+        subs = {N: r.dp or r.world_size, psi: r.params, psi_bw: r.params_regathered,
                 bp: r.param_bytes, br: r.param_bytes}
         expected = float(traffic.subs(subs))
         state_expected = float(state.subs(subs))
         state_graph = r.sharded_params + r.grads + r.adam_state
-        diff = (r.bytes_per_step - expected) / expected if expected else 0.0
+        diff = (r.dp_bytes_per_step - expected) / expected if expected else 0.0
         lines.append(
-            f"| {r.world_size} | {r.params:,} | {r.params_regathered:,} | {expected:,.0f} | "
-            f"{r.bytes_per_step:,} | {diff:+.2e} | {state_expected:,.0f} | {state_graph:,} |"
+            f"| {subs[N]} | {r.params:,} | {r.params_regathered:,} | {expected:,.0f} | "
+            f"{r.dp_bytes_per_step:,} | {diff:+.2e} | {state_expected:,.0f} | {state_graph:,} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -27,6 +27,9 @@ __all__ = [
     "PROFILES",
     "all_gather_time",
     "all_reduce_time",
+    "all_to_all_time",
+    "collective_bytes_per_rank",
+    "collective_group",
     "collective_kind",
     "get_profile",
     "node_flops",
@@ -162,12 +165,19 @@ def all_reduce_time(total_bytes: float, n: int, profile: HardwareProfile) -> flo
     return 2 * all_gather_time(total_bytes, n, profile)
 
 
+def all_to_all_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+    """All-to-all of a ``total_bytes`` input on ``n`` ranks: each rank keeps 1/n of it and
+    sends the rest, priced like a ring all-gather of the same bytes."""
+    return all_gather_time(total_bytes, n, profile)
+
+
 # --- node costs ------------------------------------------------------------------------------
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
 }
 
 # Ops that only alias their input (or are bookkeeping) and move no bytes.
@@ -183,10 +193,56 @@ _FREE_OPS = {
 
 
 def collective_kind(node: fx.Node) -> str | None:
-    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a collective start."""
+    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"`` for a
+    collective start."""
     if node.op != "call_function":
         return None
     return _COLLECTIVES.get(node.target)
+
+
+def collective_group(node: fx.Node) -> tuple[str, int | None]:
+    """The group name and group size of collective ``node``.
+
+    All-gathers and reduce-scatters carry their size as an argument. An all-reduce or an
+    all-to-all does not: its size is the lowering's ``graphshard`` tag ``group_size`` (HSDP's
+    replica reduction) or ``node.meta["group_size"]``, which the graphshard backend records
+    for the collectives that reach it from elsewhere (DTensor's tensor parallelism); None
+    when neither is there.
+    """
+    kind = collective_kind(node)
+    if kind is None:
+        raise ValueError(f"{node.format_node()} is not a collective")
+    group = node.args[-1]
+    name = group if isinstance(group, str) else getattr(group, "group_name", str(group))
+    if kind == "all_gather":
+        return name, int(node.args[1])
+    if kind == "reduce_scatter":
+        return name, int(node.args[2])
+    size = node.meta.get("graphshard", {}).get("group_size", node.meta.get("group_size"))
+    return name, None if size is None else int(size)
+
+
+def collective_bytes_per_rank(node: fx.Node, world_size: int | None = None) -> float:
+    """Bytes one rank sends for collective ``node`` on a ring of ``n`` ranks.
+
+    All-gather: (n-1)/n of the full (gathered) output; reduce-scatter: (n-1)/n of the full
+    input; all-reduce (a reduce-scatter then an all-gather): 2(n-1)/n of the tensor;
+    all-to-all: the (n-1)/n of its input that goes to the other ranks (even splits
+    assumed). ``world_size`` is
+    used where the node does not say its group size (see :func:`collective_group`).
+    """
+    kind = collective_kind(node)
+    _, n = collective_group(node)
+    n = n if n is not None else world_size
+    if n is None:
+        raise ValueError(f"{node.name}: {kind} needs its group size to be costed")
+    if n <= 1:
+        return 0.0
+    if kind == "all_gather":
+        full = tensor_bytes(node.meta["val"])
+    else:
+        full = tensor_bytes(node.args[0].meta["val"])
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * full
 
 
 def _int(x: Any) -> int:
@@ -271,7 +327,8 @@ def _is_free(node: fx.Node) -> bool:
 def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None = None) -> float:
     """Seconds ``node`` takes on ``profile``: comm time, FLOPs / peak, or bytes / memory bw.
 
-    ``world_size`` is the group size of ``all_reduce`` nodes, whose arguments do not say it.
+    ``world_size`` is the group size of ``all_reduce`` and ``all_to_all`` nodes whose
+    arguments and tags do not say it (see :func:`collective_group`).
     """
     kind = collective_kind(node)
     if kind == "all_gather":
@@ -279,12 +336,15 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
     if kind == "reduce_scatter":
         full = tensor_bytes(node.args[0].meta["val"])
         return reduce_scatter_time(full, int(node.args[2]), profile)
-    if kind == "all_reduce":
-        # An all-reduce the lowering made (HSDP's replica reduction) records its group size.
-        world_size = node.meta.get("graphshard", {}).get("group_size", world_size)
-        if world_size is None:
-            raise ValueError(f"{node.name}: all_reduce needs world_size to be costed")
-        return all_reduce_time(tensor_bytes(node.meta["val"]), world_size, profile)
+    if kind in ("all_reduce", "all_to_all"):
+        # An all-reduce the lowering made (HSDP's replica reduction) records its group size;
+        # the backend records the size of DTensor's (tensor parallel) ones.
+        size = collective_group(node)[1] or world_size
+        if size is None:
+            raise ValueError(f"{node.name}: {kind} needs world_size to be costed")
+        if kind == "all_to_all":
+            return all_to_all_time(tensor_bytes(node.args[0].meta["val"]), size, profile)
+        return all_reduce_time(tensor_bytes(node.meta["val"]), size, profile)
     if _is_free(node):
         return 0.0
     flops = node_flops(node)

@@ -31,6 +31,10 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
         assert row["params"] == psi
         assert row["params_regathered"] == psi_bw
         assert row["bytes_per_step"] == (n - 1) * 4 * (psi + psi_bw + psi) // n
+        # No tensor parallelism: all of it is dp traffic.
+        assert (row["dp"], row["tp"], row["tp_bytes_per_step"], row["tp_comm_s"]) == (n, 1, 0, 0)
+        assert row["dp_bytes_per_step"] == row["bytes_per_step"]
+        assert (row["model_params"], row["tp_split_params"]) == (psi, 0)
         assert row["sharded_params"] == psi * 4 // n
         assert row["memory_total"] >= 4 * row["sharded_params"]
         assert row["predicted_step_s"] >= row["bound_s"] > 0

@@ -38,6 +38,8 @@ __all__ = [
     "llama_config",
     "llama_config_from_hf",
     "llama_name_from_hf",
+    "tensor_parallel_plan",
+    "check_tensor_parallel",
 ]
 
 INIT_STD = 0.02
@@ -454,3 +456,15 @@ def tensor_parallel_plan(model: Llama, *, sequence_parallel: bool = False) -> di
             plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """ValueError unless :func:`tensor_parallel_plan` splits ``cfg`` evenly over ``tp`` ranks:
+    each rank needs whole query and key/value heads and an equal share of the FFN."""
+    for what, size in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                       ("ffn_hidden", cfg.ffn_hidden)):
+        if size % tp:
+            raise ValueError(
+                f"tensor parallelism over {tp} ranks splits the attention heads and the FFN: "
+                f"{what} ({size}) must be divisible by tp"
+            )
