@@ -148,8 +148,8 @@ def _param_counts(model: nn.Module) -> tuple[int, int]:
     for entry in shard_state(model).params:
         numel = entry.param.numel()  # the global size of the DTensor parameter
         total += numel
-        if entry.tp is not None and any(isinstance(p, Shard) for p in entry.tp[1]):
-            split += numel  # entry.tp: (tp mesh, tp placements, global shape, stride)
+        if entry.tp is not None and any(isinstance(p, Shard) for p in entry.tp.placements):
+            split += numel  # a TP plan splits it
     return total, split
 
 

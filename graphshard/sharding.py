@@ -404,9 +404,10 @@ def shard(
             if entry is None:
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
-                if isinstance(p, DTensor):  # tensor parallel: shard its local rows over dp
-                    param, tp = tp_parameter(p, mesh, rank)
-                    entry = ShardedParam([fqn], p.to_local().shape, bucket, pinned, param)
+                if tp_mesh is not None:  # tensor parallel: shard each TP piece over dp
+                    param, tp = tp_parameter(p, mesh, rank, tp_mesh)
+                    piece = p.to_local().shape if isinstance(p, DTensor) else p.shape
+                    entry = ShardedParam([fqn], piece, bucket, pinned, param)
                     entry.tp = tp
                 else:
                     param = sharded_parameter(p, host or mesh, rank, offload)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -105,25 +106,45 @@ def tp_mesh_of(module: nn.Module, dp_mesh: DeviceMesh | None) -> DeviceMesh | No
     return tp_mesh
 
 
+@functools.lru_cache(maxsize=8)
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp..., tp) mesh that both meshes are slices of (RuntimeError if there is none)."""
-    return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    """The (dp..., tp) mesh that both meshes are slices of (RuntimeError if there is none);
+    one object per pair. Real rank arithmetic also when tracing under fake tensors."""
+    with unset_fake_temporarily():
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
 
 
-def tp_parameter(p: DTensor, dp_mesh: DeviceMesh, rank: int) -> tuple[nn.Parameter, TPLayout]:
-    """``p``'s local tensor split on dim 0 across the last (shard) dimension of ``dp_mesh``,
+def tp_parameter(
+    p: torch.Tensor, dp_mesh: DeviceMesh, rank: int, tp_mesh: DeviceMesh
+) -> tuple[nn.Parameter, TPLayout | None]:
+    """``p``'s TP piece split on dim 0 across the last (shard) dimension of ``dp_mesh``,
     ``rank`` being this rank's index there: a DTensor on the (dp..., tp) mesh, and the layout
-    that re-wraps the gathered local tensor as ``p``."""
-    tp_mesh, tp_places = p.device_mesh, tuple(p.placements)
-    local_tp = p.to_local()
+    that re-wraps the gathered piece as ``p``.
+
+    A plain parameter of a TP model (an embedding or a norm the plan leaves alone) is whole on
+    every tp rank: it becomes ``Replicate()`` on tp, so that every parameter lives on the one
+    (dp..., tp) mesh (``clip_grad_norm_`` stacks their norms), and it is read as the plain
+    gathered tensor (layout None), as the plan left it."""
+    if isinstance(p, DTensor):
+        tp_places, local_tp = tuple(p.placements), p.to_local()
+    else:
+        tp_places, local_tp = (Replicate(),), p
     layout = Dim0Layout(local_tp.shape, dp_mesh.size(dp_mesh.ndim - 1))
     local = layout.local(local_tp.detach(), rank).clone()
     tp_splits_dim0 = any(isinstance(q, Shard) and q.dim == 0 for q in tp_places)
-    shard_place = _StridedShard(0, split_factor=tp_mesh.size()) if tp_splits_dim0 else Shard(0)
+    if len(p.shape) == 0:
+        shard_place = Replicate()  # a 0-D parameter travels whole
+    elif tp_splits_dim0:
+        shard_place = _StridedShard(0, split_factor=tp_mesh.size())
+    else:
+        shard_place = Shard(0)
     places = (*([Replicate()] * (dp_mesh.ndim - 1)), shard_place, *tp_places)
+    stride = p.stride() if isinstance(p, DTensor) else torch.empty(p.shape, device="meta").stride()
     dtensor = DTensor.from_local(local, spmd_mesh(dp_mesh, tp_mesh), places, run_check=False,
-                                 shape=p.shape, stride=p.stride())
+                                 shape=p.shape, stride=stride)
     param = nn.Parameter(dtensor, requires_grad=p.requires_grad)
+    if not isinstance(p, DTensor):
+        return param, None
     return param, TPLayout(tp_mesh, tp_places, p.shape, p.stride())
 
 

@@ -22,6 +22,8 @@ def _assert_matches(results: list[dict], key, reference: dict) -> None:
     for res in results:
         got = res[key] if key is not None else res
         assert got["losses"] == pytest.approx(reference["losses"][res["dp"]], rel=1e-5)
+        if "norms" in got:  # torch's clip_grad_norm_ on the (dp, tp) DTensor gradients
+            assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
         for name, value in reference["params"].items():
             torch.testing.assert_close(got["params"][name], value, **TOL, msg=name)
 
@@ -42,6 +44,16 @@ def test_llama_with_its_tp_plan_matches_one_process(world4, plan, mode):
     """The Megatron plan, and with sequence parallel (SequenceParallel norms,
     PrepareModuleInput, row-split embedding, column-split output) as torchtitan runs it."""
     _assert_matches(world4, (plan, mode), tp_jobs.reference("llama", 2, lr=0.5))
+
+
+def test_every_parameter_lives_on_the_one_dp_tp_mesh(world4):
+    """What the plan leaves alone (embedding, norms, output) is Replicate() on tp: one mesh
+    for all, so torch's clip_grad_norm_ can stack the norms (checked in the runs above)."""
+    meshes = world4[0]["llama_meshes"]
+    assert {names for names, _ in meshes.values()} == {("dp", "tp")}
+    assert meshes["norm.weight"][1] == ("Shard(dim=0)", "Replicate()")
+    assert meshes["layers.0.attention.wq.weight"][1] == (
+        "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -64,12 +64,21 @@ def _tp_model(kind: str, tp_mesh, dp_mesh, policy=None, seed: int = 0) -> nn.Mod
     return graphshard.shard(model, dp_mesh, mixed_precision=policy)
 
 
-def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1) -> list[float]:
-    """SGD steps; with ``accum`` > 1 every micro-batch but the last runs under no_sync."""
+def _grad_norm(model: nn.Module) -> float:
+    """torch's global gradient norm (``clip_grad_norm_`` with no limit) over the DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
+def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1) -> dict:
+    """SGD steps; with ``accum`` > 1 every micro-batch but the last runs under no_sync.
+    Losses per step (summed over micro-batches) and torch's global gradient norms."""
     torch._dynamo.reset()
     run = torch.compile(model, backend="graphshard") if mode == "compiled" else model
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
         for micro in range(accum):
@@ -81,10 +90,11 @@ def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1
                     loss = run(tokens(step, dp)).loss
                 loss.backward()
             total += loss.item()
+        norms.append(_grad_norm(model))
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return {"losses": losses, "norms": norms}
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -101,23 +111,25 @@ def dp_tp_job(rank: int, world_size: int, save_dir: str) -> dict:
     for mode in MODES:
         model = _tp_model("mlp", mesh["tp"], mesh["dp"])
         out[("mlp", mode)] = {
-            "losses": _train(model, mode, dp, "mlp"),
+            **_train(model, mode, dp, "mlp"),
             "placements": {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()},
             "params": _params(model),
         }
         model = _tp_model("mlp", mesh["tp"], mesh["dp"])
-        out[("no_sync", mode)] = {"losses": _train(model, mode, dp, "mlp", accum=2),
+        out[("no_sync", mode)] = {**_train(model, mode, dp, "mlp", accum=2),
                                   "params": _params(model)}
         model = _tp_model("llama", mesh["tp"], mesh["dp"])
-        out[("llama", mode)] = {"losses": _train(model, mode, dp, "llama", lr=0.5),
+        out["llama_meshes"] = {n: (p.device_mesh.mesh_dim_names, tuple(map(repr, p.placements)))
+                               for n, p in model.named_parameters()}
+        out[("llama", mode)] = {**_train(model, mode, dp, "llama", lr=0.5),
                                 "params": _params(model)}
         if mode == "eager":
             out["state"] = _state_dict_round_trip(model, mesh, save_dir)
         model = _tp_model("llama_sp", mesh["tp"], mesh["dp"])
-        out[("llama_sp", mode)] = {"losses": _train(model, mode, dp, "llama", lr=0.5),
+        out[("llama_sp", mode)] = {**_train(model, mode, dp, "llama", lr=0.5),
                                    "params": _params(model)}
         model = _tp_model("mlp", mesh["tp"], mesh["dp"], BF16)
-        out[("bf16", mode)] = {"losses": _train(model, mode, dp, "mlp"), "params": _params(model)}
+        out[("bf16", mode)] = {**_train(model, mode, dp, "mlp"), "params": _params(model)}
     out["fsdp2_bf16"] = _fsdp2_bf16(mesh, dp)
     out["checkpoint"] = _checkpoint_round_trip(mesh, dp, save_dir)
     out["errors"] = _bad_orders(mesh)
@@ -237,7 +249,7 @@ def hsdp_tp_job(rank: int, world_size: int) -> dict:
     for mode in MODES:
         model = _tp_model("mlp", mesh["tp"], mesh["replicate", "shard"])
         out[mode] = {
-            "losses": _train(model, mode, dp, "mlp"),
+            **_train(model, mode, dp, "mlp"),
             "placements": {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()},
             "params": _params(model),
         }
@@ -251,6 +263,7 @@ def reference(kind: str, dp_ranks: int, accum: int = 1, lr: float = 0.1) -> dict
     model = MLP() if kind == "mlp" else Llama(llama_config("tiny"))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses: list[list[float]] = [[] for _ in range(dp_ranks)]
+    norms: list[float] = []
     for step in range(STEPS):
         totals = [0.0] * dp_ranks
         for micro in range(accum):
@@ -261,8 +274,10 @@ def reference(kind: str, dp_ranks: int, accum: int = 1, lr: float = 0.1) -> dict
                     loss = model(tokens(step, d)).loss
                 (loss / dp_ranks).backward()
                 totals[d] += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
         opt.step()
         opt.zero_grad()
         for d in range(dp_ranks):
             losses[d].append(totals[d])
-    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach() for n, p in model.named_parameters()}}
