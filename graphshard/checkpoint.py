@@ -386,7 +386,8 @@ def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -
     state = shard_state(root)
     _check_param_groups(_param_fqns(state, optimizer),
                         [g["params"] for g in meta["param_groups"]], hint)
-    full_shape = {e.names[0]: tuple(e.full_shape) for e in state.params}
+    # the parameter's global shape (under TP, ``e.full_shape`` is the TP-local tensor's)
+    full_shape = {e.names[0]: tuple(e.param.shape) for e in state.params}
     bad = []
     for key, kind in meta["layout"].items():
         fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
