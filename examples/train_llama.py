@@ -6,10 +6,17 @@
     python examples/train_llama.py --model tiny                         # one process
     torchrun --nproc-per-node 4 examples/train_llama.py --model tiny \
         --mixed-precision bf16 --grad-accum 4 --replicas 2              # bf16, no_sync, HSDP
+    torchrun --nproc-per-node 4 examples/train_llama.py --model tiny --tp 2   # dp 2 x tp 2
 
 Every rank builds the same model from the same seed, ``graphshard.shard`` keeps its own slice
 of every parameter, and ``torch.compile`` with the graphshard backend inserts the
 all-gathers and reduce-scatters. Each rank draws its own batch (data parallel).
+
+With ``--tp N`` the ranks form a ``(dp, tp)`` mesh (``(replicate, shard, tp)`` with
+``--replicas``): torch's ``parallelize_module`` splits attention heads and the FFN over the
+N ranks of ``mesh["tp"]`` (``tensor_parallel_plan``), then ``graphshard.shard`` shards over
+the data-parallel dims. The N ranks of a tensor-parallel group share one batch; each
+data-parallel rank draws its own.
 
 With ``--meta-init`` (the default for the ``llama3-*`` presets) no rank ever holds the whole
 model: it is built on the meta device, sharded, ``to_empty``'d (each rank allocates its
@@ -34,7 +41,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 from tqdm import tqdm
 
 import graphshard
@@ -42,9 +50,11 @@ from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import (
     CONFIGS,
     Llama,
+    check_tensor_parallel,
     llama_config,
     llama_config_from_hf,
     llama_name_from_hf,
+    tensor_parallel_plan,
 )
 
 
@@ -181,6 +191,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ranks (gradients are reduce-scattered within a replica, all-reduced across them)",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: split attention heads and the FFN over this many ranks "
+        "(torch's parallelize_module on mesh['tp']); graphshard shards over world/tp ranks",
+    )
+    parser.add_argument(
         "--timeout-s",
         type=float,
         default=300.0,
@@ -190,8 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
-    if args.grad_accum < 1 or args.replicas < 1:
-        parser.error("--grad-accum and --replicas must be at least 1")
+    if args.grad_accum < 1 or args.replicas < 1 or args.tp < 1:
+        parser.error("--grad-accum, --replicas and --tp must be at least 1")
     if args.meta_init is None:
         args.meta_init = args.model.startswith("llama3")
     return args
@@ -222,6 +239,43 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size(), dev
 
 
+def mesh_layout(world_size: int, replicas: int, tp: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The device-mesh shape and dim names for ``world_size`` ranks: ``(world,)`` plain FSDP,
+    ``(replicate, shard)`` HSDP, ``(dp, tp)`` or ``(replicate, shard, tp)`` with TP.
+
+    Raises:
+        SystemExit: ``tp`` does not divide ``world_size``, or ``replicas`` does not divide
+            the ``world_size // tp`` data-parallel ranks.
+    """
+    if world_size % tp:
+        raise SystemExit(f"--tp {tp} does not divide the {world_size} ranks")
+    dp = world_size // tp
+    if dp % replicas:
+        raise SystemExit(f"--replicas {replicas} does not divide the {dp} data-parallel ranks "
+                         f"({world_size} ranks / --tp {tp})")
+    if tp == 1:
+        if replicas == 1:
+            return (world_size,), ("dp",)
+        return (replicas, dp // replicas), ("replicate", "shard")
+    if replicas == 1:
+        return (dp, tp), ("dp", "tp")
+    return (replicas, dp // replicas, tp), ("replicate", "shard", "tp")
+
+
+def data_parallel_rank(mesh: DeviceMesh | None, rank: int) -> int:
+    """Which batch this rank draws: its data-parallel coordinate (the flattened
+    ``(replicate, shard)`` or ``dp`` coordinate; every TP rank of a group gets the same),
+    or ``rank`` without a mesh."""
+    if mesh is None:
+        return rank
+    coord, shape = mesh.get_coordinate(), mesh.mesh.shape
+    dims = [i for i, name in enumerate(mesh.mesh_dim_names) if name != "tp"]
+    index = 0
+    for i in dims:
+        index = index * shape[i] + coord[i]
+    return index
+
+
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device, args.timeout_s)
@@ -244,6 +298,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             f"--seq-len {seq_len} exceeds max_seq_len {cfg.max_seq_len} of {args.model}"
         )
     dtype = getattr(torch, args.dtype)
+    shape, names = mesh_layout(world_size, args.replicas, args.tp)
+    if args.tp > 1:
+        try:
+            check_tensor_parallel(cfg, args.tp)
+        except ValueError as err:
+            raise SystemExit(f"--tp {args.tp}: {err}") from err
 
     if args.meta_init:  # shapes only: nothing is allocated until to_empty below
         with torch.device("meta"):
@@ -252,16 +312,19 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         model = Llama(cfg).to(device=device, dtype=dtype)
         model.init_weights(seed=args.seed)
     n_params = model.num_params()
-    mesh = None
-    if args.replicas > 1:
-        if world_size % args.replicas:
-            raise SystemExit(f"--replicas {args.replicas} does not divide {world_size} ranks")
-        mesh = init_device_mesh(device.type, (args.replicas, world_size // args.replicas),
-                                mesh_dim_names=("replicate", "shard"))
+    mesh = None  # plain FSDP over the default group
+    if len(shape) > 1:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    dp_mesh = mesh
+    if args.tp > 1:  # TP first: graphshard then shards the TP-local tensors over dp
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+        dp_mesh = mesh["replicate", "shard"] if args.replicas > 1 else mesh["dp"]
+    data_rank = data_parallel_rank(mesh, rank)
+    first_of_tp = args.tp == 1 or mesh.get_coordinate()[-1] == 0  # counts its group's loss
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     policy = None if low is None else graphshard.MixedPrecision(
         param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    graphshard.shard(model, mesh, mixed_precision=policy)
+    graphshard.shard(model, dp_mesh, mixed_precision=policy)
     if args.meta_init:
         model.to_empty(device=device)  # each rank's rows, uninitialised (rotary tables rebuilt)
         if args.load is None:
@@ -310,9 +373,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
     if rank == 0:
         mode = "eager" if args.eager else "compiled"
+        layout = " x ".join(f"{n} {s}" for n, s in zip(names, shape, strict=True))
         print(
-            f"{args.model}: {n_params / 1e6:.2f}M parameters, {world_size} rank(s) on "
-            f"{device.type}, {mode}, batch {args.batch_size}x{seq_len} per rank, "
+            f"{args.model}: {n_params / 1e6:.2f}M parameters, {world_size} rank(s) ({layout}) "
+            f"on {device.type}, {mode}, batch {args.batch_size}x{seq_len} per data-parallel "
+            "rank, "
             f"{args.steps} steps (uniform-guess loss {math.log(cfg.vocab_size):.3f})",
             flush=True,
         )
@@ -324,8 +389,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     # --timeout-s, with an error that says so.
     with graphshard.report_rank_failures():
         for step in bar:
-            losses.append(train_step(run, model, optimizer, scheduler, data, step, rank,
-                                     world_size, args, seq_len, device, bar))
+            losses.append(train_step(run, model, optimizer, scheduler, data, step, data_rank,
+                                     world_size // args.tp, args, seq_len, device, bar,
+                                     counts=first_of_tp))
             done = step + 1
             if args.checkpoint_dir and (done == args.steps or every and done % every == 0):
                 save(done)
@@ -344,15 +410,16 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     return losses[-1] if losses else float("nan")
 
 
-def train_step(run, model, optimizer, scheduler, data, step, rank, world_size, args, seq_len,
-               device, bar) -> float:
-    """One optimizer step on this rank's ``--grad-accum`` micro-batches; the loss averaged
-    over micro-batches and ranks."""
+def train_step(run, model, optimizer, scheduler, data, step, data_rank, dp_size, args,
+               seq_len, device, bar, counts=True) -> float:
+    """One optimizer step on batch ``data_rank``'s ``--grad-accum`` micro-batches; the loss
+    averaged over micro-batches and the ``dp_size`` data-parallel ranks. ``counts`` is False
+    on all but one rank of a tensor-parallel group (they hold copies of the same loss)."""
     start = time.perf_counter()
     micro = args.grad_accum
     loss = torch.zeros((), device=device)
     for m in range(micro):
-        tokens = data.batch(step * micro + m, rank, args.batch_size, seq_len).to(device)
+        tokens = data.batch(step * micro + m, data_rank, args.batch_size, seq_len).to(device)
         last = m == micro - 1
         with contextlib.nullcontext() if last else graphshard.no_sync(model):
             micro_loss = run(tokens).loss / micro
@@ -363,9 +430,9 @@ def train_step(run, model, optimizer, scheduler, data, step, rank, world_size, a
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    mean_loss = loss.detach().float().clone()
+    mean_loss = loss.detach().float().clone() if counts else torch.zeros((), device=device)
     dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
-    mean = mean_loss.item() / world_size  # .item() waits for the step to finish
+    mean = mean_loss.item() / dp_size  # .item() waits for the step to finish
     bar.set_postfix(loss=f"{mean:.4f}", step_s=f"{time.perf_counter() - start:.3f}")
     return mean
 

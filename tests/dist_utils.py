@@ -79,3 +79,48 @@ def example_runner(monkeypatch, *common: str) -> Callable[..., float]:
         return example.main([*common, *argv])
 
     return main
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _example_rank(rank: int, launched: int, runs: list[tuple[int, int, list[str]]],
+                  out_dir: str) -> None:
+    import importlib.util
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location(
+        "train_llama_example", Path(__file__).parents[1] / "examples" / "train_llama.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    losses: list[float | None] = []
+    for world_size, port, argv in runs:
+        if rank >= world_size:  # a smaller run: this rank sits it out
+            losses.append(None)
+            continue
+        os.environ.update(WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
+        torch._dynamo.reset()  # each run compiles its own model
+        losses.append(example.main(argv))
+    torch.save(losses, Path(out_dir) / f"rank{rank}.pt")
+
+
+def example_ranks(*runs: tuple[int, list[str]]) -> list[list[float | None]]:
+    """Run ``examples/train_llama.py``'s ``main`` once per ``(world_size, argv)`` in ``runs``,
+    in order, each on ranks ``0 .. world_size - 1`` of one launch of spawned processes (as
+    many as the largest run needs; the others sit a smaller run out) with its own gloo
+    process group. Returns, per rank, the final loss each run's ``main`` returned (None
+    where the rank sat out)."""
+    launched = max(world for world, _ in runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _example_rank,
+            args=(launched, [(world, _free_port(), list(argv)) for world, argv in runs], tmp),
+            nprocs=launched, join=True, start_method="spawn",
+        )
+        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(launched)]
