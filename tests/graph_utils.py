@@ -44,6 +44,20 @@ def derived_from(*gathers: fx.Node) -> set[fx.Node]:
     return found
 
 
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def derived_before_matmul(node: fx.Node) -> set[fx.Node]:
+    """``node`` and what is computed from it without passing through a matmul."""
+    found, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(u for u in n.users if u.target not in MATMULS)
+    return found
+
+
 def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs beyond the user's: what it saves for backward."""
     outputs = fw.graph.find_nodes(op="output")[0].args[0]

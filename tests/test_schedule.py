@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import c10d, calls, fake_process_group
+from graph_utils import MATMULS, c10d, calls, derived_before_matmul, fake_process_group
 from test_graph_passes import Block
 from torch import fx, nn
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import graphshard
-
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
 class FourBlock(nn.Module):
@@ -35,22 +33,11 @@ def graphs(**options) -> dict[str, fx.GraphModule]:
     return stages
 
 
-def derived(node: fx.Node) -> set[fx.Node]:
-    """Nodes computed from ``node`` without passing through a matmul."""
-    found, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in found:
-            found.add(n)
-            stack.extend(u for u in n.users if u.target not in MATMULS)
-    return found
-
-
 def bucket_matmuls(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """For each all-gather in order, the matmuls that read a parameter it gathered."""
     result = []
     for gather in calls(gm, c10d.all_gather_into_tensor.default):
-        values = derived(gather)
+        values = derived_before_matmul(gather)
         result.append([n for n in gm.graph.nodes if n.target in MATMULS and set(n.args) & values])
     return result
 

@@ -8,14 +8,13 @@ from collections import Counter
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from graph_utils import Block, c10d, calls, fake_process_group
+from graph_utils import MATMULS, Block, c10d, calls, derived_before_matmul, fake_process_group
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import graphshard
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 BLOCKS = 4
 
 
@@ -90,16 +89,6 @@ def _collectives(gm: fx.GraphModule, group: str) -> list[fx.Node]:
             and n.target is not c10d.wait_tensor.default and _group(n) == group]
 
 
-def _derived(node: fx.Node) -> set[fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in found:
-            found.add(n)
-            stack.extend(u for u in n.users if u.target not in MATMULS)
-    return found
-
-
 @pytest.mark.parametrize("stage", ["fw", "bw"])
 def test_dp_gathers_are_bucketed_and_prefetched(graphs, stage):
     gm = graphs["fp32"][stage]
@@ -109,7 +98,7 @@ def test_dp_gathers_are_bucketed_and_prefetched(graphs, stage):
     assert {_group(g) for g in gathers} == {graphs["dp"]}
     first_matmul = []
     for gather in gathers:
-        values = _derived(gather)
+        values = derived_before_matmul(gather)
         mms = [n for n in gm.graph.nodes if n.target in MATMULS and set(n.args) & values]
         assert mms, "every gathered bucket feeds a matmul"
         first_matmul.append(mms[0])
