@@ -1,6 +1,9 @@
 """FSDP x TP: torch's ``parallelize_module`` on ``mesh["tp"]``, then ``graphshard.shard(model,
 mesh["dp"])``. dp 2 x tp 2 on 4 gloo ranks (one launch) and HSDP 2 x 2 x tp 2 on 8 (one
-launch), eager and compiled, against one process and against FSDP2 on the same TP model."""
+launch), eager and compiled, against one process and against FSDP2 on the same TP model.
+To keep 4 and 8 processes on 2 cores affordable, the MLP and both Llama plans go through
+Inductor; no_sync, bf16 and HSDP x TP run graphshard's lowered graphs op by op ("lowered":
+the same passes and collectives, no Inductor compile)."""
 
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ def world8():
     return run_ranks(tp_jobs.hsdp_tp_job, 8)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["eager", "lowered"])
 def test_hsdp_by_tp_on_a_3d_mesh_matches_one_process(world8, mode):
     _assert_matches(world8, mode, tp_jobs.reference("mlp", 4))
     placements = world8[0][mode]["placements"]
