@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import fx, nn
 
@@ -58,29 +56,41 @@ def derived_before_matmul(node: fx.Node) -> set[fx.Node]:
     return found
 
 
+_SCHEDULE_TOKENS = {
+    c10d.all_gather_into_tensor.default: "AG",
+    c10d.reduce_scatter_tensor.default: "RS",
+    c10d.all_reduce.default: "AR",
+}
+
+
+def schedule_string(gm: fx.GraphModule) -> str:
+    """The graph's schedule as a normalised string, free of node names and torch's own
+    lowering details: ``AG0:212`` is the first all-gather (212 elements gathered), ``W(AG0)``
+    its wait, ``MM`` a matmul, ``RS1:106`` the second reduce-scatter (106 elements in)."""
+    seen: dict[str, int] = {}
+    label: dict[fx.Node, str] = {}
+    tokens = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        kind = _SCHEDULE_TOKENS.get(node.target)
+        if kind is not None:
+            index = seen.get(kind, 0)
+            seen[kind] = index + 1
+            label[node] = f"{kind}{index}"
+            size = (node.meta["val"] if kind == "AG" else node.args[0].meta["val"]).numel()
+            tokens.append(f"{label[node]}:{size}")
+        elif node.target is c10d.wait_tensor.default:
+            tokens.append(f"W({label.get(node.args[0], '?')})")
+        elif node.target in MATMULS:
+            tokens.append("MM")
+    return " ".join(tokens)
+
+
 def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs beyond the user's: what it saves for backward."""
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     return [o for o in outputs[num_user_outputs:] if isinstance(o, fx.Node)]
-
-
-def graph_text(gm: fx.GraphModule, group_name: str) -> str:
-    """The readable graph without comments or file paths, with the group name as ``G``.
-
-    Non-tensor graph inputs (the opaque device-mesh objects AOTAutograd passes along with
-    each DTensor parameter) are left out of the signature and of the returned tuples: which
-    of them the partitioner keeps depends on what ran before in the process.
-    """
-    code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    lines = [ln.rstrip() for ln in code.splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.lstrip().startswith("#")]
-    opaque = [n.name for n in gm.graph.find_nodes(op="placeholder")
-              if not isinstance(n.meta.get("val"), torch.Tensor)]
-    if opaque:
-        names = re.compile(r",? ?\b(?:" + "|".join(map(re.escape, opaque)) + r")\b(?=[,)])")
-        lines = [names.sub("", ln) if ln.lstrip().startswith(("def forward", "return ("))
-                 else ln for ln in lines]
-    return "\n".join(lines).replace(f"'{group_name}'", "'G'") + "\n"
 
 
 class Block(nn.Module):
