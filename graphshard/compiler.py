@@ -46,6 +46,7 @@ from passes import (
     reshard,
 )
 from passes.cost_model import collective_group, collective_kind
+from passes.runner import PassRunner
 
 __all__ = ["backend", "GraphshardBackend", "PIPELINE", "record_group_sizes"]
 
@@ -62,13 +63,14 @@ PIPELINE: dict[str, list[Pass]] = {
 _graph_ids = itertools.count()
 
 
-def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper) -> fx.GraphModule:
-    """Run the passes of ``stage`` in order, dumping the graph before and after each."""
-    dumper.write(stage, 0, "input", gm)
-    for step, fn in enumerate(PIPELINE[stage], start=1):
-        gm = fn(gm, plan)
-        dumper.write(stage, step, fn.__name__, gm)
-    return gm
+def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
+               seconds: dict[str, float] | None = None) -> fx.GraphModule:
+    """Run the passes of ``stage`` through the :class:`PassRunner` (lint, recompile and
+    invariants after each), dumping the graph before and after each; each pass's wall time
+    is added to ``seconds``."""
+    runner = PassRunner(after_each=lambda step, name, g: dumper.write(stage, step, name, g),
+                        seconds={} if seconds is None else seconds)
+    return runner.run(stage, PIPELINE[stage], gm, plan)
 
 
 def record_group_sizes(gm: fx.GraphModule) -> None:
@@ -132,6 +134,7 @@ class GraphshardBackend:
         self.plan = Plan(**plan_options)
         # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
         self.graphs: list[dict[str, fx.GraphModule]] = []
+        self.pass_seconds: dict[str, float] = {}  # wall time per pass, over every graph
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -143,7 +146,7 @@ class GraphshardBackend:
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
             record_group_sizes(graph)
-            stages[stage] = run_passes(stage, graph, plan, dumper)
+            stages[stage] = run_passes(stage, graph, plan, dumper, self.pass_seconds)
             if dumper.enabled and stage in ("fw", "bw", "inference"):
                 write_schedule(stages[stage], plan.profile, dumper.dir, stage)
             return stages[stage]

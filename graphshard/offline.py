@@ -118,6 +118,7 @@ class OfflineTrace:
     groups: dict[str, str]  # process group name -> mesh dimension ("dp" or "tp")
     model_params: int  # parameter elements of the whole model (tied ones once)
     tp_split_params: int  # of which tensor parallelism splits across the tp ranks
+    pass_seconds: float = 0.0  # wall time in graphshard's passes (GraphshardBackend)
 
 
 def _unpack(built: Any, tp: int) -> tuple[nn.Module, tuple, Any]:
@@ -199,7 +200,8 @@ def trace_step_offline(
             output = compiled(*inputs)
             if backward:
                 scalar_loss(output).backward()
-        return OfflineTrace(backend.graphs, dp, tp, groups, total, split)
+        return OfflineTrace(backend.graphs, dp, tp, groups, total, split,
+                            sum(backend.pass_seconds.values()))
 
 
 def trace_offline(

@@ -198,24 +198,8 @@ def what_if(
 ) -> WhatIf:
     """Trace ``factory()`` at ``world_size`` fake ranks (``world_size // tp`` × ``tp``) and
     size up one training step."""
-    import graphshard.compiler as compiler
-
-    spent = {"passes": 0.0}
-    run_passes = compiler.run_passes
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return run_passes(*args, **kwargs)
-        finally:
-            spent["passes"] += time.perf_counter() - start
-
     start = time.perf_counter()
-    compiler.run_passes = timed
-    try:
-        trace = trace_step_offline(factory, world_size, tp=tp, profile=profile, **plan_options)
-    finally:
-        compiler.run_passes = run_passes
+    trace = trace_step_offline(factory, world_size, tp=tp, profile=profile, **plan_options)
     trace_s = time.perf_counter() - start
     graphs = trace.graphs
     hw = get_profile(profile)
@@ -263,7 +247,7 @@ def what_if(
         predicted_step_s=summary["predicted_step_s"],
         exposed_comm_s=summary["predicted_exposed_comm_s"],
         trace_s=trace_s,
-        passes_s=spent["passes"],
+        passes_s=trace.pass_seconds,
     )
 
 

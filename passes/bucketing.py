@@ -152,5 +152,4 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if is_reduce_grad(node) and marker_args(node).name in bucket_of_name:
             node.update_arg(1, bucket_of_name[marker_args(node).name])
-    gm.recompile()
     return gm

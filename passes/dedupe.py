@@ -39,6 +39,4 @@ def dedupe_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 gm.graph.erase_node(shard)
         else:
             first[param] = node
-    gm.graph.lint()
-    gm.recompile()
     return gm

@@ -37,7 +37,6 @@ def is_noop_view(node: fx.Node) -> bool:
 def fold_views(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Markers read the view's base instead of a no-op view; a no-op view of a gradient is
     replaced by the gradient. Views left unused are dropped."""
-    changed = False
     for node in list(gm.graph.nodes):
         if is_unshard(node):
             source = node.args[0]
@@ -47,7 +46,6 @@ def fold_views(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 view = node.args[0]
                 node.update_arg(0, source)
                 _erase_unused_views(gm.graph, view)
-                changed = True
         elif is_reduce_grad(node):
             views = [user for user in node.users if is_noop_view(user)]
             while views:
@@ -55,10 +53,6 @@ def fold_views(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 views.extend(user for user in view.users if is_noop_view(user))
                 view.replace_all_uses_with(node)
                 gm.graph.erase_node(view)
-                changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
     return gm
 
 

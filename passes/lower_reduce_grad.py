@@ -34,8 +34,6 @@ def lower_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     make = NodeMaker(gm.graph)
     for bucket in collect_buckets(gm.graph, is_reduce_grad):
         _lower_bucket(gm.graph, make, bucket)
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 

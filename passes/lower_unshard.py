@@ -30,8 +30,6 @@ def lower_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     make = NodeMaker(gm.graph)
     for bucket in collect_buckets(gm.graph, is_unshard):
         _lower_bucket(gm.graph, make, bucket)
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 

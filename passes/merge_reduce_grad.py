@@ -68,7 +68,6 @@ def merge_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if is_reduce_grad(node):
             by_name.setdefault(marker_args(node).name, []).append(node)
     make = NodeMaker(gm.graph)
-    changed = False
     for markers in by_name.values():
         if len(markers) < 2:
             continue
@@ -85,8 +84,4 @@ def merge_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         adds[-1].replace_all_uses_with(merged)
         for dead in [*reversed(adds), *markers]:  # users before what they use
             gm.graph.erase_node(dead)
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
     return gm

@@ -67,6 +67,4 @@ def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         position = graph_order(gm.graph)
         chain = ancestors_after(gathers[k], position, position[anchor])
         move_before(chain, anchor)
-    gm.graph.lint()
-    gm.recompile()
     return gm

@@ -1,0 +1,162 @@
+"""The pass runner: what every pass would otherwise repeat, and the invariants between passes.
+
+A pass only transforms the graph. The runner then lints and recompiles it once, and checks
+what must hold after it, so a pass that breaks the graph fails at that pass with its name,
+not later inside Inductor or as a hang across ranks:
+
+- no ``unshard`` marker is left once ``lower_unshard`` has run, no ``reduce_grad`` marker
+  once ``lower_reduce_grad`` has;
+- every collective is waited on exactly once (an unwaited one leaks, a twice-waited one
+  is a lowering bug);
+- every operation of an AOTAutograd graph carries ``meta["val"]`` (what Inductor, the cost
+  model and the dumps read);
+- graphshard's all-gathers are issued in the order their buckets are first used: the order
+  every rank derives from the graph, the same on all of them.
+
+Each pass's wall time is recorded, so ``graphshard plan`` times the passes through the
+runner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from passes.markers import is_reduce_grad, is_unshard
+from passes.plan import Plan
+
+__all__ = ["PassInvariantError", "PassRunner", "check_invariants"]
+
+Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+_c10d = torch.ops._c10d_functional
+_AOT_STAGES = ("joint", "fw", "bw", "inference")
+
+
+class PassInvariantError(RuntimeError):
+    """A graph pass left the graph in a state the next stage cannot take: a graphshard bug,
+    reported with the pass and the node."""
+
+
+@dataclass
+class PassRunner:
+    """Runs a stage's passes in order: lint, recompile and invariants after each.
+
+    ``after_each(step, name, gm)`` is called with the graph before the first pass (step 0,
+    name ``"input"``) and after each pass (the dumps hook in here). ``seconds`` sums the
+    wall time of each pass by name, over every graph this runner ran.
+    """
+
+    after_each: Callable[[int, str, fx.GraphModule], None] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def run(self, stage: str, passes: Sequence[Pass], gm: fx.GraphModule,
+            plan: Plan) -> fx.GraphModule:
+        """``gm`` after every pass of ``passes``; ``stage`` names the graph (dynamo, joint,
+        fw, bw, inference)."""
+        if self.after_each is not None:
+            self.after_each(0, "input", gm)
+        done: list[str] = []
+        for step, fn in enumerate(passes, start=1):
+            start = time.perf_counter()
+            gm = fn(gm, plan)
+            gm.graph.lint()
+            gm.recompile()
+            name = fn.__name__
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            done.append(name)
+            check_invariants(stage, gm, done)
+            if self.after_each is not None:
+                self.after_each(step, name, gm)
+        return gm
+
+    @property
+    def total_seconds(self) -> float:
+        """Wall time spent in passes (lint and recompile included)."""
+        return sum(self.seconds.values())
+
+
+def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> None:
+    """Raise :class:`PassInvariantError` if ``gm`` breaks an invariant after the passes
+    ``done`` (names, in order) of ``stage``."""
+    last = done[-1] if done else "input"
+
+    def fail(node: fx.Node, what: str) -> None:
+        raise PassInvariantError(
+            f"graphshard pass {last!r} ({stage} graph) left {node.format_node()}: {what}. "
+            "This is a bug in graphshard; please report it with the graph dump "
+            "(GRAPHSHARD_DUMP_DIR=...)."
+        )
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if "lower_unshard" in done and is_unshard(node):
+            fail(node, "an unshard marker after lower_unshard")
+        if "lower_reduce_grad" in done and is_reduce_grad(node):
+            fail(node, "a reduce_grad marker after lower_reduce_grad")
+        if stage in _AOT_STAGES and "val" not in node.meta:
+            fail(node, 'no meta["val"]')
+        if _is_collective(node):
+            waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
+            if len(waits) != 1:
+                fail(node, f"a collective waited on {len(waits)} times (must be once)")
+    _check_gather_order(gm, fail)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return (getattr(target, "namespace", None) == "_c10d_functional"
+            and target is not _c10d.wait_tensor.default)
+
+
+def _check_gather_order(gm: fx.GraphModule, fail: Callable[[fx.Node, str], None]) -> None:
+    """graphshard's gathers are issued in the order of their buckets' first use."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    previous_use = -1
+    for node in gm.graph.nodes:
+        if (node.meta.get("graphshard") or {}).get("kind") != "unshard":
+            continue
+        first_use = _first_use(node, position)
+        if first_use is None:
+            continue
+        if first_use < previous_use:
+            fail(node, "an all-gather issued after one whose bucket is used later")
+        previous_use = first_use
+
+
+def _first_use(gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
+    """Position of the first node that reads the gathered bucket beyond its wait and the
+    views that rebuild parameters (those come right after the wait)."""
+    frontier, seen, uses = [gather], set(), []
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op == "output":
+                continue
+            if user.target is _c10d.wait_tensor.default or _is_rebuild(user):
+                frontier.append(user)
+            else:
+                uses.append(position[user])
+    return min(uses) if uses else None
+
+
+_REBUILD = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.clone.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.t.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+def _is_rebuild(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _REBUILD
