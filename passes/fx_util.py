@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ c10d = torch.ops._c10d_functional
 prims = torch.ops.prims
 
 
+_PROVENANCE = ("stack_trace", "nn_module_stack")
+
+
 class NodeMaker:
     """Appends ``call_function`` nodes at the graph's current insert point, with fake ``val``s.
 
@@ -27,10 +31,26 @@ class NodeMaker:
         self.graph = graph
         vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
         self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        self.source: fx.Node | None = None
+
+    @contextlib.contextmanager
+    def provenance(self, source: fx.Node) -> Iterator[None]:
+        """Nodes made inside take ``source``'s user-code provenance (``stack_trace``,
+        ``nn_module_stack``): dumps and profiler traces then point at the line of the model
+        that read the parameter, not at graphshard."""
+        outer, self.source = self.source, source
+        try:
+            yield
+        finally:
+            self.source = outer
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         """Insert ``target(*args, **kwargs)`` and fill in its ``meta["val"]``."""
         node = self.graph.call_function(target, args, kwargs)
+        if self.source is not None:
+            for key in _PROVENANCE:
+                if key in self.source.meta:
+                    node.meta.setdefault(key, self.source.meta[key])
         if self.fake_mode is not None:
             fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
             with self.fake_mode, contextlib.suppress(Exception):

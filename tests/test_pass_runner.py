@@ -125,3 +125,19 @@ def test_the_runner_calls_its_hook_before_and_after_each_pass(stages):
     runner.run("fw", [noop, noop], _copy(graphs["fw"]), Plan())
     assert seen == [(0, "input"), (1, "noop"), (2, "noop")]
     assert runner.seconds["noop"] > 0
+
+
+@pytest.mark.parametrize("stage", ["fw", "bw"])
+def test_lowered_collectives_point_at_the_users_code(stages, stage):
+    """The gathers and reduce-scatters carry the stack trace and module of the parameter read
+    they replace, so dumps and profiler traces name the model's line, not graphshard's."""
+    graphs, _ = stages
+    gm = graphs[stage]
+    collectives = [*calls(gm, c10d.all_gather_into_tensor.default),
+                   *calls(gm, c10d.reduce_scatter_tensor.default)]
+    assert collectives
+    for node in collectives:
+        assert "test_pass_runner.py" in node.meta.get("stack_trace", ""), node.format_node()
+        if stage == "fw":  # AOTAutograd keeps the module stack on forward nodes only
+            modules = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+            assert any("blocks" in path for path in modules), (node.format_node(), modules)
