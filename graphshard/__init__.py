@@ -12,6 +12,7 @@ from graphshard.checkpoint import (
     save_checkpoint,
 )
 from graphshard.compiler import GraphshardBackend, backend
+from graphshard.errors import GraphshardError
 from graphshard.failures import RankFailureError, report_rank_failures
 from graphshard.fingerprint import PlanMismatchError
 from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
@@ -33,6 +34,7 @@ __all__ = [
     "load_full_checkpoint",
     "CheckpointInfo",
     "CheckpointMismatchError",
+    "GraphshardError",
     "report_rank_failures",
     "RankFailureError",
     "PlanMismatchError",

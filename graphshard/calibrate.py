@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphshard.errors import GraphshardValueError
 from passes.cost_model import HardwareProfile
 
 __all__ = ["measure_profile"]
@@ -72,7 +73,7 @@ def measure_profile(
 ) -> HardwareProfile:
     """Measure a profile with ``world_size`` local gloo ranks (all on this machine)."""
     if world_size < 2:
-        raise ValueError("calibration needs at least 2 ranks to time a collective")
+        raise GraphshardValueError("calibration needs at least 2 ranks to time a collective")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_rank, args=(world_size, os.path.join(tmp, "store"), tmp, big_bytes,
                                         repeats), nprocs=world_size, start_method="spawn")

@@ -48,6 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from graphshard.errors import (
+    CheckpointMismatchError,
+    GraphshardFileNotFoundError,
+    GraphshardRuntimeError,
+    GraphshardValueError,
+)
 from graphshard.sharding import ShardState, shard_state
 
 __all__ = [
@@ -65,11 +71,6 @@ FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OLD_DIR = re.compile(r"^\.old-step_(\d+)$")
 _MODEL, _OPTIM = "model/", "optim/"
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint does not fit the model or optimizer it is loaded into (nothing was
-    written to them): the message names every key that differs."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def save_checkpoint(
         The committed checkpoint's path.
     """
     if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        raise GraphshardValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     _refuse_held_back_gradients(module)
     root = Path(directory)
     final = root / _step_name(step)
@@ -212,7 +213,7 @@ def save_checkpoint(
                                                                dist.group.WORLD, 0),
                                group=process_group)
     if error[0] is not None:
-        raise RuntimeError(f"Committing checkpoint {final} failed on rank 0: {error[0]}")
+        raise GraphshardRuntimeError(f"Committing checkpoint {final} failed on rank 0: {error[0]}")
     return final
 
 
@@ -222,7 +223,7 @@ def _refuse_held_back_gradients(module: nn.Module) -> None:
     held = [e.names[0] for e in shard_state(module).params
             for leaf in (e.unreduced, e.partial) if leaf is not None and leaf.grad is not None]
     if held:
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             f"Gradients of {len(held)} parameter(s) (e.g. {held[0]!r}) are held back by "
             "graphshard.no_sync and would not be in the checkpoint. Save after the synced "
             "backward and optimizer.step() that end the accumulation window."
@@ -262,13 +263,13 @@ def _resolve(path: Path) -> Path:
     if (path / COMMIT_MARKER).is_file():
         return path
     if path.is_dir() and (_STEP_DIR.match(path.name) or path.name.startswith(".tmp-")):
-        raise FileNotFoundError(
+        raise GraphshardFileNotFoundError(
             f"{path} has no {COMMIT_MARKER} marker: its save did not finish. Load the "
             f"checkpoint root {path.parent} to get the latest complete checkpoint."
         )
     latest = latest_checkpoint(path)
     if latest is None:
-        raise FileNotFoundError(
+        raise GraphshardFileNotFoundError(
             f"No complete checkpoint under {path} (looked for step_N/{COMMIT_MARKER})."
         )
     return latest
@@ -332,7 +333,7 @@ def _check_optimizer_params(root: nn.Module, optimizer: torch.optim.Optimizer) -
                 "build the optimizer after sharding, on model.parameters()"
                 if replaced else "it is not a parameter of this sharded model"
             )  # fmt: skip
-            raise ValueError(
+            raise GraphshardValueError(
                 f"Optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
                 f"cannot be checkpointed with this model: {why}."
             )

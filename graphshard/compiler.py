@@ -30,6 +30,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard import ops  # noqa: F401  (registers the eager kernels)
 from graphshard.dump import GraphDumper, dump_dir_from_env
+from graphshard.errors import GraphshardTypeError
 from graphshard.fingerprint import check_compile_plan
 from graphshard.graph_breaks import TRACKER
 from graphshard.report import write_schedule
@@ -127,7 +128,7 @@ class GraphshardBackend:
         unknown = set(plan_options) - {f.name for f in fields(Plan)}
         if unknown:
             known = ", ".join(["dump_dir", "inductor", *(f.name for f in fields(Plan))])
-            raise TypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
+            raise GraphshardTypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
                             f"known: {known}")
         self.dump_dir = dump_dir
         self.inductor = inductor

@@ -29,6 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from graphshard.errors import RankFailureError
+
 __all__ = ["RankFailureError", "report_rank_failures", "process_group_timeout"]
 
 _KEY = "graphshard/failed/"
@@ -38,10 +40,6 @@ _TRANSPORT_WORDS = (
 )
 
 
-class RankFailureError(RuntimeError):
-    """Another rank failed (or stopped responding) while this rank was in a collective."""
-
-
 def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     """The timeout the collectives of ``group`` wait for before failing, when known."""
     try:
@@ -49,12 +47,12 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta |
         for device in ("cpu", "cuda"):
             try:
                 backend = pg._get_backend(torch.device(device))
-            except Exception:
+            except Exception:  # no backend for this device type: try the next one
                 continue
             timeout = getattr(getattr(backend, "options", None), "_timeout", None)
             if timeout is not None:
                 return timeout
-    except Exception:
+    except Exception:  # private API, best effort: only the advice in a message needs it
         return None
     return None
 
@@ -64,7 +62,7 @@ def _store():
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:
+    except Exception:  # reporting is best effort: no store means no cross-rank report
         return None
 
 
@@ -85,7 +83,7 @@ def _publish(rank: int, exc: BaseException) -> None:
     where = f" at {frame[0].filename}:{frame[0].lineno}" if frame else ""
     try:
         store.set(f"{_KEY}{rank}", f"{type(exc).__name__}: {exc}{where}"[:2000])
-    except Exception:
+    except Exception:  # the store may be down too: the caller re-raises the real error anyway
         pass
 
 
@@ -102,7 +100,7 @@ def _reports(world_size: int, wait_s: float) -> dict[int, str]:
                 key = f"{_KEY}{r}"
                 if store.check([key]):
                     found[r] = store.get(key).decode(errors="replace")
-        except Exception:
+        except Exception:  # the store went away: report what was read; the caller raises
             return found
         if found or time.monotonic() >= deadline:
             return found

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from graphshard.errors import PlanMismatchError
 from passes.markers import is_unshard, marker_args
 
 __all__ = [
@@ -48,10 +49,6 @@ __all__ = [
 # (group name, digest) pairs this process already compared: a graph recompiled on one rank
 # only (say, a smaller last batch) must not start a collective the others never join.
 _compared: set[tuple[str, str]] = set()
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks would issue different collectives: the message names what differs."""
 
 
 def stable_repr(value: Any) -> str | None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from graphshard.errors import GraphshardRuntimeError
 from graphshard.sharding import ShardedParam, ShardState, shard_state
 from passes.markers import GradSync
 
@@ -65,7 +66,7 @@ def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
     clash = {GradSync.NONE: "partial", GradSync.PARTIAL: "unreduced"}.get(mode)
     if clash is not None and _pending(state, clash):
         held = "reduce-scattered partial" if clash == "partial" else "unreduced full"
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             f"Gradients of {_pending(state, clash)[:3]} are held back as {held} gradients; "
             "run one synced backward (outside no_sync) before switching between "
             "no_sync(model) and no_sync(model, reduce_scatter=True)."
@@ -89,7 +90,7 @@ def _usable(leaf: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
     if _same_device(leaf.device, device) and leaf.dtype == dtype:
         return True
     if leaf.grad is not None:
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             f"{entry.names[0]!r} moved to {device}/{dtype} while no_sync held back gradients "
             f"on {leaf.device}/{leaf.dtype}: move the model between accumulation windows "
             "(after the synced backward)."

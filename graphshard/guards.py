@@ -33,13 +33,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from graphshard.errors import ShardedModelError
 from graphshard.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = ["collect_originals", "after_shard", "ShardedModelError"]
-
-
-class ShardedModelError(RuntimeError):
-    """An operation that would silently corrupt a sharded model."""
 
 
 def collect_originals(module: nn.Module) -> list[tuple[nn.Parameter, str]]:

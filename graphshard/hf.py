@@ -38,6 +38,11 @@ import torch
 from torch import nn
 
 from graphshard.checkpoint import CheckpointMismatchError, root_module
+from graphshard.errors import (
+    GraphshardFileNotFoundError,
+    GraphshardRuntimeError,
+    GraphshardTypeError,
+)
 from graphshard.loading import agree, broadcast_full_state, plan_keys
 
 __all__ = ["load_safetensors", "init_non_persistent_buffers", "safetensors_files"]
@@ -52,10 +57,12 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     ``HuggingFaceStorageReader`` reads them, sorted."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory (expected a save_pretrained one).")
+        raise GraphshardFileNotFoundError(
+            f"{root} is not a directory (expected a save_pretrained one)."
+        )
     files = sorted(p for p in root.iterdir() if p.name.endswith(_SUFFIX) and p.is_file())
     if not files:
-        raise FileNotFoundError(
+        raise GraphshardFileNotFoundError(
             f"No *{_SUFFIX} file in {root}: save the model with save_pretrained(path) "
             "(safe_serialization is the default), or convert its .bin files first."
         )
@@ -229,7 +236,7 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
     """
     root = root_module(model)
     if not callable(getattr(root, "_init_weights", None)):
-        raise TypeError(
+        raise GraphshardTypeError(
             f"{type(root).__name__} is not a transformers PreTrainedModel (it has no "
             "_init_weights): recompute its non-persistent buffers with its own code."
         )
@@ -255,7 +262,7 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
             buf = sub._buffers[b]
             fqn = f"{mod_name}.{b}" if mod_name else b
             if (buf.is_floating_point() or buf.is_complex()) and torch.isnan(buf).any():
-                raise RuntimeError(
+                raise GraphshardRuntimeError(
                     f"{type(owner[id(sub)]).__name__}._init_weights did not set the "
                     f"non-persistent buffer {fqn!r} of {type(sub).__name__}: compute it "
                     "yourself after to_empty (it is in no weights file)."

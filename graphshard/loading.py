@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphshard.checkpoint import CheckpointMismatchError, check_keys_and_shapes, root_module
+from graphshard.errors import GraphshardFileNotFoundError
 
 __all__ = ["load_full_checkpoint", "broadcast_full_state", "plan_keys", "tied_names", "agree"]
 
@@ -167,7 +168,7 @@ def load_full_checkpoint(
 
     def read() -> dict[str, torch.Tensor]:
         if not path.is_file():
-            raise FileNotFoundError(f"No full checkpoint file at {path}.")
+            raise GraphshardFileNotFoundError(f"No full checkpoint file at {path}.")
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(state, dict):
             raise CheckpointMismatchError(

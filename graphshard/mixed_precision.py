@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from graphshard.errors import GraphshardTypeError
+
 __all__ = ["MixedPrecision"]
 
 
@@ -42,7 +44,7 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype)
                                           and value.is_floating_point):
-                raise TypeError(
+                raise GraphshardTypeError(
                     f"MixedPrecision.{name} must be a floating-point torch.dtype such as "
                     f"torch.bfloat16, or None; got {value!r}."
                 )

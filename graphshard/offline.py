@@ -26,6 +26,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphshard.compiler import GraphshardBackend
+from graphshard.errors import GraphshardRuntimeError, GraphshardTypeError, GraphshardValueError
 from graphshard.sharding import shard
 
 __all__ = [
@@ -50,7 +51,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessG
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             "A process group is already initialised in this process; offline tracing needs "
             "its own fake one. Run it in a fresh process (e.g. the `graphshard` CLI)."
         )
@@ -67,7 +68,9 @@ def load_factory(spec: str) -> Factory:
     directory) or an importable module; FACTORY returns ``(model, example_inputs_tuple)``,
     or ``(model, example_inputs_tuple, tp_plan)`` for tensor parallelism (``--tp``)."""
     if ":" not in spec:
-        raise ValueError(f"expected MODULE:FACTORY (e.g. mymodels.py:build), got {spec!r}")
+        raise GraphshardValueError(
+            f"expected MODULE:FACTORY (e.g. mymodels.py:build), got {spec!r}"
+        )
     module_name, factory_name = spec.rsplit(":", 1)
     path = Path(module_name if module_name.endswith(".py") else f"{module_name}.py")
     if path.is_file():
@@ -79,7 +82,7 @@ def load_factory(spec: str) -> Factory:
         module = importlib.import_module(module_name)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
-        raise ValueError(f"{module_name} has no function {factory_name!r}")
+        raise GraphshardValueError(f"{module_name} has no function {factory_name!r}")
     return factory
 
 
@@ -92,16 +95,18 @@ def scalar_loss(output: Any) -> torch.Tensor:
         return output.float().sum()
     if isinstance(output, (tuple, list)):
         return sum(scalar_loss(o) for o in output if isinstance(o, torch.Tensor))
-    raise TypeError(f"cannot make a loss out of a {type(output).__name__}; return a tensor")
+    raise GraphshardTypeError(
+        f"cannot make a loss out of a {type(output).__name__}; return a tensor"
+    )
 
 
 def mesh_shape(world_size: int, tp: int = 1) -> tuple[int, int]:
     """``(dp, tp)`` for ``world_size`` ranks in all, ``tp`` of them per tensor-parallel group;
     ValueError unless ``tp`` divides ``world_size``."""
     if tp < 1 or world_size < 1:
-        raise ValueError(f"world size ({world_size}) and tp ({tp}) must be positive")
+        raise GraphshardValueError(f"world size ({world_size}) and tp ({tp}) must be positive")
     if world_size % tp:
-        raise ValueError(
+        raise GraphshardValueError(
             f"tp ({tp}) must divide the world size ({world_size}): the world size counts all "
             f"ranks, dp x tp (e.g. --world-size {tp * max(1, world_size // tp)} --tp {tp})"
         )
@@ -123,14 +128,14 @@ class OfflineTrace:
 
 def _unpack(built: Any, tp: int) -> tuple[nn.Module, tuple, Any]:
     if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
-        raise ValueError(
+        raise GraphshardValueError(
             "the factory must return (model, example_inputs) or (model, example_inputs, "
             f"tp_plan), got {type(built).__name__}"
         )
     model, inputs, *rest = built
     plan = rest[0] if rest else None
     if tp > 1 and plan is None:
-        raise ValueError(
+        raise GraphshardValueError(
             f"tp={tp} needs a tensor-parallel plan: let the factory return (model, inputs, "
             "tp_plan), tp_plan being what torch.distributed.tensor.parallel.parallelize_module"
             " takes (e.g. {'layers.0.attention.wq': ColwiseParallel(), ...}; the Llama presets"

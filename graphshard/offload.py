@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
+from graphshard.errors import GraphshardTypeError, GraphshardValueError
+
 __all__ = ["CPUOffload", "resolve_offload", "host_mesh"]
 
 
@@ -48,7 +50,7 @@ class CPUOffload:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
-            raise TypeError(
+            raise GraphshardTypeError(
                 f"CPUOffload.pin_memory must be True or False, got {self.pin_memory!r}."
             )
 
@@ -67,12 +69,12 @@ def resolve_offload(
     if offload is None:
         return "", None
     if not isinstance(offload, CPUOffload):
-        raise TypeError(
+        raise GraphshardTypeError(
             f"offload must be a graphshard.CPUOffload (or None), got {type(offload).__name__}."
         )
     device_type = mesh.device_type
     if device_type == "cpu":
-        raise ValueError(
+        raise GraphshardValueError(
             "graphshard.shard(..., offload=CPUOffload()) keeps the shards in host memory and "
             "computes on the mesh's device, but this mesh is on 'cpu': parameters, gradients "
             "and optimizer state already live in host memory, so there is nothing to offload. "

@@ -33,6 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
+from graphshard.errors import (
+    GraphshardNotImplementedError,
+    GraphshardRuntimeError,
+    GraphshardTypeError,
+    GraphshardValueError,
+)
 from graphshard.mixed_precision import MixedPrecision, install_casts
 from graphshard.offload import CPUOffload, resolve_offload
 from graphshard.tensor_parallel import TPLayout, refuse_tp_after_shard, tp_mesh_of, tp_parameter
@@ -104,7 +110,7 @@ def shard_state(module: nn.Module) -> ShardState:
     module = getattr(module, "_orig_mod", module)
     state = getattr(module, _STATE_ATTR, None)
     if state is None:
-        raise ValueError(
+        raise GraphshardValueError(
             f"{type(module).__name__} is not sharded: call graphshard.shard(module) first."
         )
     return state
@@ -118,7 +124,7 @@ def is_sharded(module: nn.Module) -> bool:
 def _resolve_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """The shard group and, for a 2-D (replicate, shard) mesh, the replica group."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             "graphshard.shard() needs an initialised process group: call "
             "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
             "or pass a DeviceMesh."
@@ -130,7 +136,7 @@ def _resolve_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         return mesh.get_group(), None
     if ndim == 2:
         return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(
+    raise GraphshardValueError(
         f"graphshard.shard() takes a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) "
         f"for HSDP, got a mesh with {ndim} dimensions (shape {tuple(getattr(mesh, 'shape', ()))})"
         ". Pass init_device_mesh(device, (world_size,)) or init_device_mesh(device, "
@@ -193,7 +199,7 @@ def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
         members = [group] if isinstance(group, nn.Module) else list(group)
         for m in members:
             if not isinstance(m, nn.Module):
-                raise TypeError(
+                raise GraphshardTypeError(
                     f"buckets must be a list of modules or lists of modules, got {type(m).__name__}"
                 )
         groups.append(members)
@@ -211,14 +217,14 @@ def _assign_buckets(
         labels = []
         for m in group:
             if id(m) not in names_of:
-                raise ValueError(
+                raise GraphshardValueError(
                     f"buckets[{index}] holds a {type(m).__name__} that is not a submodule of "
                     f"the module being sharded."
                 )
             labels.append(names_of[id(m)])
             for p in m.parameters():
                 if bucket_of.setdefault(id(p), index) != index:
-                    raise ValueError(
+                    raise GraphshardValueError(
                         f"A parameter of {names_of[id(m)]} is in buckets[{bucket_of[id(p)]}] and "
                         f"buckets[{index}]: each parameter may belong to one bucket only."
                     )
@@ -359,13 +365,13 @@ def shard(
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
     """
     if is_sharded(module):
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             f"{type(module).__name__} is already sharded: call graphshard.shard() once per "
             "model, on the root module."
         )
     tp_mesh = tp_mesh_of(module, mesh)  # None without tensor parallelism; checks the order
     if tp_mesh is not None and offload is not None:
-        raise NotImplementedError(
+        raise GraphshardNotImplementedError(
             "graphshard.shard(offload=CPUOffload()) with tensor-parallel parameters is not "
             "supported; shard without offload, or offload without tensor parallelism."
         )
@@ -373,7 +379,7 @@ def shard(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(
+        raise GraphshardTypeError(
             f"mixed_precision must be a graphshard.MixedPrecision, got "
             f"{type(mixed_precision).__name__}"
         )

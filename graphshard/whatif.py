@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
+from graphshard.errors import GraphshardValueError
 from graphshard.offline import Factory, trace_step_offline
 from graphshard.report import collectives_by_group, step_summary
 from passes.cost_model import get_profile
@@ -255,7 +256,7 @@ def _per_dimension(by_group: dict[str, dict], groups: dict[str, str]) -> dict[st
     """Bytes (rounded to whole bytes) and seconds of the collectives per mesh dimension."""
     unknown = sorted(set(by_group) - set(groups))
     if unknown:
-        raise ValueError(
+        raise GraphshardValueError(
             f"collectives on process group(s) {unknown}, which are neither the dp nor the tp "
             f"dimension of the traced mesh ({groups}): cannot attribute their traffic"
         )

@@ -10,17 +10,20 @@ the real machine) overrides the builtin of the same name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import fx
+
+from passes.errors import GraphshardValueError, UnpricedSizeError
 
 __all__ = [
     "HardwareProfile",
@@ -58,9 +61,11 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for field in ("bandwidth_Bps", "peak_flops", "mem_bandwidth_Bps"):
             if not getattr(self, field) > 0:
-                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be positive")
+                raise GraphshardValueError(
+                    f"HardwareProfile {self.name!r}: {field} must be positive"
+                )
         if self.alpha_s < 0:
-            raise ValueError(f"HardwareProfile {self.name!r}: alpha_s must be >= 0")
+            raise GraphshardValueError(f"HardwareProfile {self.name!r}: alpha_s must be >= 0")
 
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -129,11 +134,13 @@ def get_profile(name: str) -> HardwareProfile:
                 return dataclasses.replace(builtin, **data)
             return HardwareProfile(**data)
         except TypeError as e:
-            raise ValueError(f"calibrated profile {path} is incomplete or malformed: {e}") from e
+            raise GraphshardValueError(
+                f"calibrated profile {path} is incomplete or malformed: {e}"
+            ) from e
     if builtin is None:
         calibrated = sorted(p.stem for p in profile_dir().glob("*.json"))
         known = ", ".join(sorted(set(PROFILES) | set(calibrated)))
-        raise ValueError(f"unknown hardware profile {name!r}; known profiles: {known}")
+        raise GraphshardValueError(f"unknown hardware profile {name!r}; known profiles: {known}")
     return builtin
 
 
@@ -192,6 +199,29 @@ _FREE_OPS = {
 }
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _names_node(
+    fn: Callable[Concatenate[fx.Node, _P], _R],
+) -> Callable[Concatenate[fx.Node, _P], _R]:
+    """Prefix an :class:`UnpricedSizeError` raised while pricing a node with that node."""
+
+    @functools.wraps(fn)
+    def wrapper(node: fx.Node, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(node, *args, **kwargs)
+        except UnpricedSizeError as e:
+            if e.node is not None:  # already named (a nested pricing function)
+                raise
+            error = UnpricedSizeError(f"{node.format_node()}: {e}")
+            error.node = node
+            raise error from e
+
+    return wrapper
+
+
 def collective_kind(node: fx.Node) -> str | None:
     """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"`` for a
     collective start."""
@@ -211,7 +241,7 @@ def collective_group(node: fx.Node) -> tuple[str, int | None]:
     """
     kind = collective_kind(node)
     if kind is None:
-        raise ValueError(f"{node.format_node()} is not a collective")
+        raise GraphshardValueError(f"{node.format_node()} is not a collective")
     group = node.args[-1]
     name = group if isinstance(group, str) else getattr(group, "group_name", str(group))
     if kind == "all_gather":
@@ -222,6 +252,7 @@ def collective_group(node: fx.Node) -> tuple[str, int | None]:
     return name, None if size is None else int(size)
 
 
+@_names_node
 def collective_bytes_per_rank(node: fx.Node, world_size: int | None = None) -> float:
     """Bytes one rank sends for collective ``node`` on a ring of ``n`` ranks.
 
@@ -235,7 +266,7 @@ def collective_bytes_per_rank(node: fx.Node, world_size: int | None = None) -> f
     _, n = collective_group(node)
     n = n if n is not None else world_size
     if n is None:
-        raise ValueError(f"{node.name}: {kind} needs its group size to be costed")
+        raise GraphshardValueError(f"{node.name}: {kind} needs its group size to be costed")
     if n <= 1:
         return 0.0
     if kind == "all_gather":
@@ -253,9 +284,15 @@ def _int(x: Any) -> int:
     the shape that was traced without constraining the graph.
     """
     if isinstance(x, torch.SymInt):
-        hint = getattr(x.node, "hint", None)
-        return int(hint) if hint is not None else 0
+        hint = getattr(x.node, "hint", None)  # every backed size (and size expression) has one
+        if hint is None:  # an unbacked (data-dependent) size: pricing it 0 would lie
+            raise UnpricedSizeError(
+                f"the symbolic size {x} has no hint (it is data-dependent), so the cost model "
+                "cannot price it"
+            )
+        return int(hint)
     return int(x)
+
 
 
 def _tensors(val: Any) -> Iterator[torch.Tensor]:
@@ -288,6 +325,7 @@ def _sdpa_flops(q: list[int], k: list[int], v: list[int]) -> int:
     return 2 * math.prod(batch) * s_q * s_k * (d + d_v)  # QK^T and PV
 
 
+@_names_node
 def node_flops(node: fx.Node) -> int:
     """FLOPs of matmul-like ``node`` (a multiply-add counts 2); 0 for other ops."""
     if node.op != "call_function" or "val" not in node.meta:
@@ -324,6 +362,7 @@ def _is_free(node: fx.Node) -> bool:
     return node.target in _FREE_OPS or bool(getattr(node.target, "is_view", False))
 
 
+@_names_node
 def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None = None) -> float:
     """Seconds ``node`` takes on ``profile``: comm time, FLOPs / peak, or bytes / memory bw.
 
@@ -341,7 +380,7 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
         # the backend records the size of DTensor's (tensor parallel) ones.
         size = collective_group(node)[1] or world_size
         if size is None:
-            raise ValueError(f"{node.name}: {kind} needs world_size to be costed")
+            raise GraphshardValueError(f"{node.name}: {kind} needs world_size to be costed")
         if kind == "all_to_all":
             return all_to_all_time(tensor_bytes(node.args[0].meta["val"]), size, profile)
         return all_reduce_time(tensor_bytes(node.meta["val"]), size, profile)

@@ -10,6 +10,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from passes.errors import GraphLoweringError
+
 __all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
 
 aten = torch.ops.aten
@@ -24,7 +26,10 @@ class NodeMaker:
     """Appends ``call_function`` nodes at the graph's current insert point, with fake ``val``s.
 
     The value is computed by running the op on the inputs' ``meta["val"]`` under the graph's
-    own fake mode, so shapes, dtypes and strides are exactly what the op produces.
+    own fake mode, so shapes, dtypes and strides are exactly what the op produces. An op that
+    fails on them raises :class:`GraphLoweringError` naming the node (the passes only make
+    ops whose fake values they need). A graph without fake placeholders (no fake mode) gets
+    nodes without ``val``.
     """
 
     def __init__(self, graph: fx.Graph) -> None:
@@ -53,8 +58,14 @@ class NodeMaker:
                     node.meta.setdefault(key, self.source.meta[key])
         if self.fake_mode is not None:
             fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-            with self.fake_mode, contextlib.suppress(Exception):
-                node.meta["val"] = target(*fake_args, **fake_kwargs)
+            try:
+                with self.fake_mode:
+                    node.meta["val"] = target(*fake_args, **fake_kwargs)
+            except Exception as e:  # re-raised: a node without its val misprices every pass
+                raise GraphLoweringError(
+                    f"cannot compute the fake value of {node.format_node()} "
+                    f"({type(e).__name__}: {e}); this is a graphshard bug, please report it"
+                ) from e
         return node
 
 

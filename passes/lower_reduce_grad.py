@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from passes.errors import GraphLoweringError
 from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from passes.layout import Dim0Layout, local_from_reduced, rank_major
 from passes.markers import is_reduce_grad, marker_args, reduce_op
@@ -42,9 +43,14 @@ def _check_users_after(graph: fx.Graph, bucket: Bucket, anchor: fx.Node) -> None
     for node in bucket.nodes:
         for user in node.users:
             if order[user] < order[anchor]:
-                raise AssertionError(
-                    f"{user.format_node()} uses a gradient of bucket {bucket.index} before the "
-                    "bucket's last gradient exists; it cannot be reduced as one collective."
+                raise GraphLoweringError(
+                    f"{user.format_node()} uses the gradient of {marker_args(node).name!r} "
+                    f"(bucket {bucket.index}: {', '.join(bucket.names)}) before the bucket's "
+                    "last gradient exists, so the bucket cannot be reduced as one collective. "
+                    "Give that parameter's module a bucket of its own with "
+                    "graphshard.shard(buckets=[...]); if your code does not use that gradient "
+                    "during backward, report this as a graphshard bug with the graphs that "
+                    "GRAPHSHARD_DUMP_DIR=<dir> writes."
                 )
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
+from passes.errors import GraphshardValueError
 from passes.layout import Dim0Layout
 
 __all__ = [
@@ -165,4 +166,4 @@ def marker_args(node: fx.Node) -> UnshardArgs | ReduceGradArgs:
         return UnshardArgs(*node.args, **node.kwargs)
     if is_reduce_grad(node):
         return ReduceGradArgs(*node.args, **node.kwargs)
-    raise ValueError(f"{node.format_node()} is not a graphshard marker")
+    raise GraphshardValueError(f"{node.format_node()} is not a graphshard marker")

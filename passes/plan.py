@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from passes.cost_model import HardwareProfile, get_profile
+from passes.errors import GraphshardValueError
 from passes.markers import marker_args
 
 __all__ = ["Plan", "Bucket", "collect_buckets"]
@@ -46,11 +47,13 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.bucketing not in BUCKETING:
-            raise ValueError(f"bucketing must be one of {BUCKETING}, got {self.bucketing!r}")
+            raise GraphshardValueError(
+                f"bucketing must be one of {BUCKETING}, got {self.bucketing!r}"
+            )
         if self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+            raise GraphshardValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+            raise GraphshardValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if isinstance(self.profile, str):
             object.__setattr__(self, "profile", get_profile(self.profile))
 

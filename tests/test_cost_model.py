@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import graphshard
 from passes.cost_model import (
     PROFILES,
     HardwareProfile,
@@ -18,7 +19,9 @@ from passes.cost_model import (
     node_time,
     reduce_scatter_time,
     save_profile,
+    tensor_bytes,
 )
+from passes.errors import UnpricedSizeError
 
 aten = torch.ops.aten
 
@@ -145,3 +148,54 @@ def test_malformed_calibration_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "half.json").write_text(json.dumps({"alpha_s": 1e-6}))
     with pytest.raises(ValueError, match="half.json"):
         get_profile("half")
+
+
+def _symbolic_mm_graph(unbacked: bool) -> torch.fx.GraphModule:
+    """``mm(x, w)`` whose ``x`` has a symbolic first dimension: backed (hint 6) or unbacked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    if unbacked:
+        rows = shape_env.create_unbacked_symint()
+        with mode:
+            x = torch.empty(rows, 4)
+    else:
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+        x = mode.from_tensor(torch.empty(6, 4), symbolic_context=context)
+    assert isinstance(x.shape[0], torch.SymInt)
+    with mode:
+        w = torch.empty(4, 8)
+        out = torch.mm(x, w)
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("x"), graph.placeholder("w")
+    a.meta["val"], b.meta["val"] = x, w
+    mm = graph.call_function(aten.mm.default, (a, b))
+    mm.meta["val"] = out
+    graph.output(mm)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_symbolic_size_is_priced_from_its_hint():
+    gm = _symbolic_mm_graph(unbacked=False)
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    assert node_flops(mm) == 2 * 6 * 4 * 8
+    assert node_time(mm, PROF) == pytest.approx(2 * 6 * 4 * 8 / PROF.peak_flops)
+    assert tensor_bytes(mm.meta["val"]) == 6 * 8 * 4
+
+
+def test_unbacked_symbolic_size_is_an_error_naming_the_node():
+    """A data-dependent size has no hint: it used to be priced 0, now it is a clear error."""
+    gm = _symbolic_mm_graph(unbacked=True)
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    with pytest.raises(UnpricedSizeError, match=r"%mm_default .*u0 has no hint") as info:
+        node_time(mm, PROF)
+    assert info.value.node is mm
+    assert isinstance(info.value, graphshard.GraphshardError)
+    with pytest.raises(ValueError, match="data-dependent"):  # the builtin base is kept
+        tensor_bytes(mm.meta["val"])

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -113,3 +120,90 @@ def test_unknown_hardware_profile_lists_the_known_ones():
         get_profile("h100-nvlnk")
     with pytest.raises(ValueError, match="h100-nvlink"):
         graphshard.backend(profile="h100-nvlnk")
+
+
+# --- the error family ---------------------------------------------------------------------
+
+_ROOT = Path(__file__).resolve().parent.parent
+_LIBRARY = [_ROOT / "graphshard", _ROOT / "passes"]
+_BUILTINS = {
+    "ValueError", "TypeError", "RuntimeError", "NotImplementedError", "KeyError",
+    "FileNotFoundError", "AssertionError", "IndexError", "Exception",
+}
+
+
+def _library_modules() -> list[str]:
+    import passes
+
+    names = []
+    for package in (graphshard, passes):
+        names.append(package.__name__)
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            names.append(info.name)
+    return names
+
+
+def test_every_error_class_is_a_graphshard_error():
+    """(Warnings are not raised: ``GraphBreakWarning`` stays a ``UserWarning``.)"""
+    found = []
+    for name in _library_modules():
+        module = importlib.import_module(name)
+        for obj in vars(module).values():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and not issubclass(obj, Warning)
+                and obj.__module__ == name
+            ):
+                found.append(obj)
+    assert graphshard.ShardedModelError in found and graphshard.CheckpointMismatchError in found
+    assert [c for c in found if not issubclass(c, graphshard.GraphshardError)] == []
+
+
+def test_old_import_paths_and_builtin_bases_are_kept():
+    from graphshard.checkpoint import CheckpointMismatchError
+    from graphshard.failures import RankFailureError
+    from graphshard.fingerprint import PlanMismatchError
+    from graphshard.guards import ShardedModelError
+
+    for cls in (ShardedModelError, PlanMismatchError, RankFailureError):
+        assert issubclass(cls, RuntimeError) and issubclass(cls, graphshard.GraphshardError)
+    assert issubclass(CheckpointMismatchError, ValueError)
+    assert "GraphshardError" in graphshard.__all__
+
+
+def test_bad_option_is_both_value_error_and_graphshard_error():
+    from passes.plan import Plan
+
+    with pytest.raises(graphshard.GraphshardError, match="bucketing must be one of"):
+        Plan(bucketing="nope")
+    with pytest.raises(ValueError, match="bucketing must be one of"):
+        Plan(bucketing="nope")
+
+
+def _library_sources() -> list[tuple[Path, ast.Module, str]]:
+    files = sorted(p for root in _LIBRARY for p in root.rglob("*.py"))
+    return [(p, ast.parse(p.read_text()), p.read_text()) for p in files]
+
+
+def test_library_raises_no_bare_builtin_and_has_no_assert():
+    problems = []
+    for path, tree, _ in _library_sources():
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(_ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Assert):
+                problems.append(f"{where}: assert statement")
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in _BUILTINS:
+                    problems.append(f"{where}: raise {exc.id}")
+    assert problems == []
+
+
+def test_library_suppresses_no_exception():
+    problems = [
+        str(path.relative_to(_ROOT))
+        for path, _, text in _library_sources()
+        if re.search(r"suppress\(\s*(Base)?Exception\s*\)", text)
+    ]
+    assert problems == []

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from graphshard.errors import GraphshardKeyError, GraphshardTypeError, GraphshardValueError
+
 __all__ = [
     "LlamaConfig",
     "LlamaOutput",
@@ -62,13 +64,17 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise GraphshardValueError(
+                f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise GraphshardValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
             )
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim ({self.dim // self.n_heads}) must be even for RoPE")
+            raise GraphshardValueError(
+                f"head_dim ({self.dim // self.n_heads}) must be even for RoPE"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -337,11 +343,13 @@ CONFIGS: dict[str, LlamaConfig] = {
 def llama_config(name: str, **overrides) -> LlamaConfig:
     """The preset ``name`` from :data:`CONFIGS`, with any fields replaced by ``overrides``."""
     if name not in CONFIGS:
-        raise KeyError(f"Unknown Llama preset {name!r}; choose one of {sorted(CONFIGS)}")
+        raise GraphshardKeyError(f"Unknown Llama preset {name!r}; choose one of {sorted(CONFIGS)}")
     known = {f.name for f in fields(LlamaConfig)}
     unknown = set(overrides) - known
     if unknown:
-        raise TypeError(f"Unknown LlamaConfig fields {sorted(unknown)}; known: {sorted(known)}")
+        raise GraphshardTypeError(
+            f"Unknown LlamaConfig fields {sorted(unknown)}; known: {sorted(known)}"
+        )
     return replace(CONFIGS[name], **overrides)
 
 
@@ -384,13 +392,13 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
     heads = hf_config["num_attention_heads"]
     dim = hf_config["hidden_size"]
     if hf_config.get("head_dim", dim // heads) != dim // heads:
-        raise ValueError(
+        raise GraphshardValueError(
             f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads "
             f"({dim // heads}): this Llama derives the head size from dim and n_heads."
         )
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(
+        raise GraphshardValueError(
             f"RoPE {rope} is not implemented by this Llama (plain RoPE only): load the "
             "model with transformers instead."
         )
@@ -431,7 +439,7 @@ def tensor_parallel_plan(model: Llama, *, sequence_parallel: bool = False) -> di
     plan = {}
     if sequence_parallel:
         if model.tok_embeddings.weight is model.output.weight:
-            raise ValueError(
+            raise GraphshardValueError(
                 "tensor_parallel_plan(sequence_parallel=True) splits the embedding by rows "
                 "and the output layer by columns; a model with tied embeddings "
                 "(tie_embeddings=True) takes the plan without sequence_parallel."
@@ -464,7 +472,7 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
     for what, size in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
                        ("ffn_hidden", cfg.ffn_hidden)):
         if size % tp:
-            raise ValueError(
+            raise GraphshardValueError(
                 f"tensor parallelism over {tp} ranks splits the attention heads and the FFN: "
                 f"{what} ({size}) must be divisible by tp"
             )

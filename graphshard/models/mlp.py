@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphshard.errors import GraphshardValueError
+
 __all__ = ["OddMLP", "MLPOutput"]
 
 
@@ -29,7 +31,9 @@ class OddMLP(nn.Module):
     def __init__(self, sizes: Sequence[int] = (13, 29, 7, 3)) -> None:
         super().__init__()
         if len(sizes) < 2:
-            raise ValueError(f"OddMLP needs at least an input and output size, got {sizes}")
+            raise GraphshardValueError(
+                f"OddMLP needs at least an input and output size, got {sizes}"
+            )
         self.sizes = tuple(sizes)
         layers: list[nn.Module] = []
         for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
