@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from passes.errors import GraphshardError
 from passes.markers import is_reduce_grad, is_unshard
 from passes.plan import Plan
 
@@ -36,7 +37,7 @@ _c10d = torch.ops._c10d_functional
 _AOT_STAGES = ("joint", "fw", "bw", "inference")
 
 
-class PassInvariantError(RuntimeError):
+class PassInvariantError(GraphshardError, RuntimeError):
     """A graph pass left the graph in a state the next stage cannot take: a graphshard bug,
     reported with the pass and the node."""
 
