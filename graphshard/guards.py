@@ -26,6 +26,7 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
             continue
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
-    module.register_load_state_dict_pre_hook(_refuse_plain_tensors)
+    module.register_load_state_dict_pre_hook(functools.partial(_refuse_plain_tensors, state))
     check_shard_plan(state)
     check_shard_values(state, originals)
 
@@ -148,10 +149,7 @@ def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: n
 # --------------------------------------------------------------------------- load_state_dict
 
 
-def _refuse_plain_tensors(module, state_dict, prefix, *args: Any) -> None:
-    from graphshard.sharding import shard_state
-
-    state = shard_state(module)
+def _refuse_plain_tensors(state: Any, module, state_dict, prefix, *args: Any) -> None:
     for entry in state.params:
         if len(entry.full_shape) == 0:  # replicated: a plain 0-D value is the full value
             continue  # (torch's broadcast_from_rank0 hands scalars over as plain tensors)

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from graphshard.guards import ShardedModelError
+from graphshard.errors import ShardedModelError
 from passes.layout import Dim0Layout
 
 __all__ = ["TPLayout", "tp_mesh_of", "tp_parameter", "refuse_tp_after_shard"]

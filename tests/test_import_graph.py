@@ -1,0 +1,88 @@
+"""The package's import graph: imports point one way (graphshard -> passes, never back) and
+no module imports one that imports it back, counting imports inside function bodies (a cycle
+hidden there still couples the two modules)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("graphshard", "passes")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its source. ``from pkg import
+    sub`` counts as importing ``pkg.sub`` (not all of ``pkg``)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{alias.name}" for alias in node.names]
+                targets = [t for t in subs if t in modules]
+                if len(targets) < len(subs):  # names defined in node.module itself
+                    targets.append(node.module)
+            else:
+                continue
+            edges[name].update(t for t in targets if t in modules and t != name)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_even_in_function_bodies():
+    assert cycles(import_graph()) == []
+
+
+def test_passes_never_import_graphshard():
+    backwards = {m: sorted(t for t in targets if t.split(".")[0] == "graphshard")
+                 for m, targets in import_graph().items() if m.startswith("passes")}
+    assert {m: t for m, t in backwards.items() if t} == {}
+
+
+def test_the_cycle_finder_finds_a_hidden_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
