@@ -43,7 +43,7 @@ from graphshard.mixed_precision import MixedPrecision, install_casts
 from graphshard.offload import CPUOffload, resolve_offload
 from graphshard.tensor_parallel import TPLayout, refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from passes.layout import Dim0Layout
-from passes.markers import UNSHARD, GradSync
+from passes.markers import UNSHARD, GradSync, UnshardSpec
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
@@ -264,14 +264,18 @@ def sharded_parameter(
     return nn.Parameter(dtensor, requires_grad=full.requires_grad)
 
 
-def read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
+def read_param(
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+) -> torch.Tensor:
     """The parameter inside the forward: the full tensor through the ``unshard`` marker, or
     under tensor parallelism the dp-gathered TP piece as the TP DTensor."""
     full = _read_param(shard, entry, spec, sync)
     return full if entry.tp is None else entry.tp.wrap(full)
 
 
-def _read_param(shard: torch.Tensor, entry: ShardedParam, spec: tuple, sync: int) -> torch.Tensor:
+def _read_param(
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+) -> torch.Tensor:
     """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
     if shard.is_meta:
         raise guards.ShardedModelError(
@@ -431,19 +435,19 @@ def shard(
         for pname in dict.fromkeys(pnames):
             entry = by_param[id(sub._parameters[pname])]
             sub._parameters[pname] = entry.param
-            spec = (
-                list(entry.full_shape),
-                entry.bucket,
-                entry.pinned,
-                reshard_after_forward,
-                entry.names[0],
-                world_size,
-                state.group_name,
-                policy.param_dtype,
-                policy.gradient_dtype,
-                "" if replica_group is None else replica_group.group_name,
-                replica_size,
-                compute_device,
+            spec = UnshardSpec(
+                full_shape=list(entry.full_shape),
+                bucket=entry.bucket,
+                pinned=entry.pinned,
+                reshard=reshard_after_forward,
+                name=entry.names[0],
+                world_size=world_size,
+                group_name=state.group_name,
+                param_dtype=policy.param_dtype,
+                reduce_dtype=policy.gradient_dtype,
+                replica_group="" if replica_group is None else replica_group.group_name,
+                replica_size=replica_size,
+                compute_device=compute_device,
             )
             specs[pname] = (entry, spec)
         sub._graphshard_specs = specs

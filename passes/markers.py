@@ -23,6 +23,7 @@ __all__ = [
     "is_unshard",
     "is_reduce_grad",
     "UnshardArgs",
+    "UnshardSpec",
     "ReduceGradArgs",
     "marker_args",
     "GradSync",
@@ -117,6 +118,24 @@ def is_unshard(node: fx.Node) -> bool:
 def is_reduce_grad(node: fx.Node) -> bool:
     """True for a call of the ``reduce_grad`` marker."""
     return node.op == "call_function" and node.target is REDUCE_GRAD
+
+
+class UnshardSpec(NamedTuple):
+    """What ``shard()`` fixes per parameter: the ``unshard`` arguments after ``shard`` and
+    before the per-read ones (``sync`` ...), in schema order."""
+
+    full_shape: list[int]
+    bucket: int
+    pinned: bool
+    reshard: bool
+    name: str
+    world_size: int
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    replica_group: str
+    replica_size: int
+    compute_device: str
 
 
 class UnshardArgs(NamedTuple):

@@ -10,8 +10,9 @@ not later inside Inductor or as a hang across ranks:
   is a lowering bug);
 - every operation of an AOTAutograd graph carries ``meta["val"]`` (what Inductor, the cost
   model and the dumps read);
-- graphshard's all-gathers are issued in the order their buckets are first used: the order
-  every rank derives from the graph, the same on all of them.
+- once lowered, graphshard's collectives keep the order the lowering gave them (the plan's
+  bucket order): a scheduling pass may move a gather against compute or a reduce-scatter,
+  never past another gather (nor a reduce-scatter past another reduce-scatter).
 
 Each pass's wall time is recorded, so ``graphshard plan`` times the passes through the
 runner.
@@ -30,7 +31,7 @@ from passes.errors import GraphshardError
 from passes.markers import is_reduce_grad, is_unshard
 from passes.plan import Plan
 
-__all__ = ["PassInvariantError", "PassRunner", "check_invariants"]
+__all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 _c10d = torch.ops._c10d_functional
@@ -61,6 +62,7 @@ class PassRunner:
         if self.after_each is not None:
             self.after_each(0, "input", gm)
         done: list[str] = []
+        order = collective_order(gm)
         for step, fn in enumerate(passes, start=1):
             start = time.perf_counter()
             gm = fn(gm, plan)
@@ -70,6 +72,17 @@ class PassRunner:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             done.append(name)
             check_invariants(stage, gm, done)
+            now = collective_order(gm)
+            if sorted(now) == sorted(order) and _by_kind(now) != _by_kind(order):
+                raise PassInvariantError(
+                    f"graphshard pass {name!r} ({stage} graph) reordered graphshard's "
+                    f"collectives of one kind among themselves: {order} became {now}. "
+                    "Every rank issues them in the order the lowering gave (the plan's "
+                    "bucket order); a pass may move one against compute or a collective of "
+                    "another kind, not past one of its own kind. This is a bug in "
+                    "graphshard; please report it with the graph dump."
+                )
+            order = now
             if self.after_each is not None:
                 self.after_each(step, name, gm)
         return gm
@@ -105,7 +118,6 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
             waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
             if len(waits) != 1:
                 fail(node, f"a collective waited on {len(waits)} times (must be once)")
-    _check_gather_order(gm, fail)
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -114,50 +126,18 @@ def _is_collective(node: fx.Node) -> bool:
             and target is not _c10d.wait_tensor.default)
 
 
-def _check_gather_order(gm: fx.GraphModule, fail: Callable[[fx.Node, str], None]) -> None:
-    """graphshard's gathers are issued in the order of their buckets' first use."""
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    previous_use = -1
+def _by_kind(order: list[tuple[str, int]]) -> dict[str, list[int]]:
+    kinds: dict[str, list[int]] = {}
+    for kind, bucket in order:
+        kinds.setdefault(kind, []).append(bucket)
+    return kinds
+
+
+def collective_order(gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """graphshard's collectives as (kind, bucket), in graph order."""
+    order = []
     for node in gm.graph.nodes:
-        if (node.meta.get("graphshard") or {}).get("kind") != "unshard":
-            continue
-        first_use = _first_use(node, position)
-        if first_use is None:
-            continue
-        if first_use < previous_use:
-            fail(node, "an all-gather issued after one whose bucket is used later")
-        previous_use = first_use
-
-
-def _first_use(gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
-    """Position of the first node that reads the gathered bucket beyond its wait and the
-    views that rebuild parameters (those come right after the wait)."""
-    frontier, seen, uses = [gather], set(), []
-    while frontier:
-        node = frontier.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for user in node.users:
-            if user.op == "output":
-                continue
-            if user.target is _c10d.wait_tensor.default or _is_rebuild(user):
-                frontier.append(user)
-            else:
-                uses.append(position[user])
-    return min(uses) if uses else None
-
-
-_REBUILD = {
-    torch.ops.aten.view.default,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.clone.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.t.default,
-    torch.ops.prims.convert_element_type.default,
-}
-
-
-def _is_rebuild(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _REBUILD
+        tag = node.meta.get("graphshard") or {}
+        if "kind" in tag and "bucket" in tag:
+            order.append((tag["kind"], tag["bucket"]))
+    return order

@@ -76,7 +76,7 @@ def test_a_node_without_meta_val_is_refused(stages):
         PassRunner().run("fw", [forget_meta], _copy(graphs["fw"]), Plan())
 
 
-def test_gathers_out_of_bucket_order_are_refused(stages):
+def test_a_pass_that_reorders_collectives_is_refused(stages):
     graphs, _ = stages
 
     def swap_gathers(gm, plan):
@@ -96,7 +96,7 @@ def test_gathers_out_of_bucket_order_are_refused(stages):
 
     gm = _copy(graphs["fw"])
     assert len(calls(gm, c10d.all_gather_into_tensor.default)) >= 2
-    with pytest.raises(PassInvariantError, match="issued after one whose bucket is used later"):
+    with pytest.raises(PassInvariantError, match="'swap_gathers'.*reordered graphshard's"):
         PassRunner().run("fw", [swap_gathers], gm, Plan())
 
 
@@ -141,3 +141,14 @@ def test_lowered_collectives_point_at_the_users_code(stages, stage):
         if stage == "fw":  # AOTAutograd keeps the module stack on forward nodes only
             modules = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
             assert any("blocks" in path for path in modules), (node.format_node(), modules)
+
+
+def test_the_per_parameter_spec_names_the_markers_arguments_in_order():
+    """``shard()`` builds each parameter's fixed ``unshard`` arguments by name
+    (``UnshardSpec``); they must be the schema's arguments after ``shard``, in order."""
+    from passes.markers import UNSHARD, UnshardArgs, UnshardSpec
+
+    schema = [a.name for a in UNSHARD._schema.arguments]
+    assert list(UnshardArgs._fields) == schema
+    assert list(UnshardSpec._fields) == schema[1:1 + len(UnshardSpec._fields)]
+    assert schema[1 + len(UnshardSpec._fields)] == "sync"  # the per-read arguments follow
