@@ -1,7 +1,8 @@
-"""Layout rules for tests/: test modules never import each other (shared code lives in helpers).
+"""Layout rules: test modules never import each other, and bench's parts never import ``step``.
 
-Importing a test module runs its collection-time setup and re-exports its tests under a second
-name; what tests share belongs in a helper module such as ``graph_utils`` or ``parity``.
+Importing a test module re-collects its tests under a second name; what tests share belongs in
+a helper module (``graph_utils``, ``parity``). ``bench.step`` is the entry point; the modules
+that define the numbers stay importable without it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+BENCH = TESTS.parent / "bench"
 
 
 def _is_test_module(dotted: str) -> bool:
@@ -49,3 +51,20 @@ def test_the_check_sees_every_import_form():
     assert imported_test_modules(source) == [
         "test_a", "tests.test_b", "test_c", "tests.test_d", "test_e", "test_f", "test_g",
     ]
+
+
+def test_bench_modules_do_not_import_step():
+    offenders = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name == "step.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                prefix = f"{node.module}." if node.module else ""  # ``from . import step``
+                names = [node.module or ""] + [prefix + a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n in ("bench.step", "step")]
+    assert not offenders, offenders
