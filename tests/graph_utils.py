@@ -1,4 +1,5 @@
-"""Helpers for graph-level tests: a fake process group and ways to read transformed graphs."""
+"""Shared by the graph-level tests (test modules never import each other): a fake process
+group, ways to read transformed graphs, and the small models they shard."""
 
 from __future__ import annotations
 
@@ -103,3 +104,17 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoBlock(nn.Module):
+    """Two ``Block``s and a head (8 -> 3): three buckets, the model of most graph tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import c10d, calls, fake_process_group
-from test_graph_passes import TwoBlock
+from graph_utils import TwoBlock, c10d, calls, fake_process_group
 from torch import nn
 
 import graphshard

@@ -9,7 +9,7 @@ import expecttest
 import pytest
 import torch
 from graph_utils import (
-    Block,
+    TwoBlock,
     c10d,
     calls,
     derived_from,
@@ -22,18 +22,6 @@ from torch import nn
 
 import graphshard
 from passes.layout import Dim0Layout
-
-
-class TwoBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def compile_and_step(model: nn.Module, **backend_options) -> dict:

@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from graph_utils import c10d, calls, fake_process_group, saved_for_backward
-from test_graph_passes import TwoBlock
+from graph_utils import TwoBlock, c10d, calls, fake_process_group, saved_for_backward
 
 import graphshard
 from graphshard.report import bucket_rows

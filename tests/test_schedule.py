@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import MATMULS, c10d, calls, derived_before_matmul, fake_process_group
-from test_graph_passes import Block
+from graph_utils import MATMULS, Block, c10d, calls, derived_before_matmul, fake_process_group
 from torch import fx, nn
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck

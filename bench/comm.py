@@ -1,0 +1,132 @@
+"""Communication per step: profiled ``c10d::`` collectives, graphshard's own count, ZeRO-3 bytes.
+
+One home for the byte rules, so profiled and compiled systems are counted the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from bench.systems import System
+
+# c10d op -> (collective kind, index of the argument that holds the full buffer).
+_COLLECTIVES: dict[str, tuple[str, int]] = {
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", 0),
+    "c10d::allgather_coalesced_": ("all_gather", 0),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1),
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+}
+_NOT_COMMUNICATION = {"c10d::barrier", "c10d::monitored_barrier_"}
+_DTYPE_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+}
+
+
+def _numel(shape: Any) -> int:
+    """Elements of a recorded shape: a list of ints (one tensor) or nested lists (a list)."""
+    if all(isinstance(d, int) for d in shape):
+        return math.prod(shape)
+    return sum(_numel(s) for s in shape)
+
+
+def count_collectives(events: list[Any], world_size: int, default_elem: int) -> dict[str, Any]:
+    """Count the ``c10d::`` collectives among profiler events and the ring bytes one rank sends.
+
+    ``default_elem`` is the element size used where the profiler records no dtype (tensor-list
+    arguments). Returns counts per kind, ``total``, ``bytes`` and any unrecognised c10d ops.
+    """
+    ring = (world_size - 1) / world_size
+    factor = {"all_gather": ring, "reduce_scatter": ring, "broadcast": ring, "all_reduce": 2 * ring}
+    counts = dict.fromkeys(factor, 0)
+    sent = 0.0
+    unrecognised: set[str] = set()
+    for event in events:
+        name = event.name()
+        if not name.startswith("c10d::") or name in _NOT_COMMUNICATION:
+            continue
+        if name not in _COLLECTIVES:
+            unrecognised.add(name)
+            continue
+        kind, arg = _COLLECTIVES[name]
+        counts[kind] += 1
+        shapes, dtypes = event.structured_input_shapes(), event.dtypes()
+        elem = _DTYPE_BYTES.get(dtypes[arg] if arg < len(dtypes) else "", default_elem)
+        if arg < len(shapes):
+            sent += factor[kind] * _numel(shapes[arg]) * elem
+    return {
+        **counts,
+        "total": sum(counts.values()),
+        "bytes": int(round(sent)),
+        "unrecognised": sorted(unrecognised),
+    }
+
+
+def graphshard_summary(system: System, device: torch.device) -> dict:
+    """``step_summary`` of the graphs the graphshard backend compiled, on the matching profile.
+
+    A failure is returned as ``{"error": ...}``: the profiled counts then stand in.
+    """
+    from graphshard.report import step_summary
+    from passes.cost_model import get_profile
+
+    profile = "h100-nvlink" if device.type == "cuda" else "cpu-gloo"
+    try:
+        summary = step_summary(system.backend.graphs, get_profile(profile))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {**summary, "profile": profile, "graphs": len(system.backend.graphs)}
+
+
+def communication(ranks: list[dict], notes: list[str]) -> dict[str, Any]:
+    """Collectives and bytes per step: graphshard's ``step_summary`` if any, else profiled."""
+    comm = [res["comm"] for res in ranks]
+    out: dict[str, Any] = {
+        "collectives_per_step": max(c["total"] for c in comm),
+        "bytes_per_step": max(c["bytes"] for c in comm),
+        "comm_profiled": comm[0],
+    }
+    if any((c["total"], c["bytes"]) != (comm[0]["total"], comm[0]["bytes"]) for c in comm):
+        notes.append("profiled collectives differ between ranks; the largest is reported")
+    unrecognised = sorted({op for c in comm for op in c["unrecognised"]})
+    if unrecognised:
+        notes.append(f"c10d ops without a byte rule (counted as 0 bytes): {unrecognised}")
+    summary = ranks[0].get("summary")
+    if summary is None:
+        return out
+    if "error" in summary:
+        notes.append(f"step_summary failed ({summary['error']}): collectives and bytes are the "
+                     "profiled ones, predicted_step_s is missing")
+        return out
+    out.update(
+        collectives_per_step=summary["all_gathers"] + summary["reduce_scatters"],
+        bytes_per_step=summary["bytes_sent_per_rank"],
+        predicted_step_s=summary["predicted_step_s"],
+        graphshard_summary=summary,
+    )
+    if out["collectives_per_step"] != comm[0]["total"]:
+        notes.append(f"step_summary counts {out['collectives_per_step']} collectives, the "
+                     f"profiler saw {comm[0]['total']}")
+    return out
+
+
+def zero3_bytes(num_params: int, world_size: int, b_param: int = 4, b_reduce: int = 4) -> float:
+    """Bytes one rank sends per ZeRO-3 step: ``(N-1)/N * Psi * (2*b_param + b_reduce)``."""
+    return (world_size - 1) / world_size * num_params * (2 * b_param + b_reduce)
