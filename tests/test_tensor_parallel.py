@@ -107,7 +107,7 @@ def test_wrong_orders_say_the_right_one(world4):
     assert "already sharded by graphshard" in errors["tp_after_shard"]
     assert "got no mesh" in errors["no_mesh"]
     assert "not a sub-mesh" in errors["overlapping"]
-    assert errors["offload"].startswith("NotImplementedError")
+    assert errors["offload"].startswith("GraphshardNotImplementedError")
 
 
 @pytest.fixture(scope="module")
