@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
 
 from graphshard.compiler import GraphshardBackend
 from graphshard.errors import GraphshardRuntimeError, GraphshardTypeError, GraphshardValueError
-from graphshard.sharding import shard
+from graphshard.sharding import shard, shard_state
 
 __all__ = [
     "fake_process_group",
@@ -146,10 +147,6 @@ def _unpack(built: Any, tp: int) -> tuple[nn.Module, tuple, Any]:
 
 def _param_counts(model: nn.Module) -> tuple[int, int]:
     """All parameter elements of the sharded ``model`` and those tensor parallelism splits."""
-    from torch.distributed.tensor import Shard
-
-    from graphshard.sharding import shard_state
-
     total = split = 0
     for entry in shard_state(model).params:
         numel = entry.param.numel()  # the global size of the DTensor parameter
@@ -210,22 +207,8 @@ def trace_step_offline(
 
 
 def trace_offline(
-    factory: Factory,
-    world_size: int,
-    *,
-    tp: int = 1,
-    shard_options: dict | None = None,
-    backward: bool = True,
-    **backend_options: Any,
+    factory: Factory, world_size: int, **options: Any
 ) -> list[dict[str, fx.GraphModule]]:
-    """Shard, compile and run one step of ``factory()``'s model on fake ranks and tensors.
-
-    Returns the backend's graphs (one dict of stage -> transformed graph per compiled graph);
-    :func:`trace_step_offline` (same arguments) also says which process group is which mesh
-    dimension. ``world_size`` counts all ranks, ``tp`` of them per tensor-parallel group.
-    ``backend_options`` go to :class:`GraphshardBackend` (``dump_dir`` included).
-    """
-    return trace_step_offline(
-        factory, world_size, tp=tp, shard_options=shard_options, backward=backward,
-        **backend_options,
-    ).graphs
+    """:func:`trace_step_offline` (same arguments), returning only the backend's graphs: one
+    dict of stage -> transformed graph per compiled graph."""
+    return trace_step_offline(factory, world_size, **options).graphs

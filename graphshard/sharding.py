@@ -415,7 +415,8 @@ def shard(
                 bucket = bucket_of[id(p)]
                 pinned = buckets is not None and bucket < len(bucket_names) - 1
                 if tp_mesh is not None:  # tensor parallel: shard each TP piece over dp
-                    param, tp = tp_parameter(p, mesh, rank, tp_mesh)
+                    param, tp = tp_parameter(p, mesh, placements(mesh, p.shape), rank,
+                                             tp_mesh)
                     piece = p.to_local().shape if isinstance(p, DTensor) else p.shape
                     entry = ShardedParam([fqn], piece, bucket, pinned, param)
                     entry.tp = tp

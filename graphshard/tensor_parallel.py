@@ -115,37 +115,28 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def tp_parameter(
-    p: torch.Tensor, dp_mesh: DeviceMesh, rank: int, tp_mesh: DeviceMesh
+    p: torch.Tensor, dp_mesh: DeviceMesh, dp_places: tuple, rank: int, tp_mesh: DeviceMesh
 ) -> tuple[nn.Parameter, TPLayout | None]:
     """``p``'s TP piece split on dim 0 across the last (shard) dimension of ``dp_mesh``,
     ``rank`` being this rank's index there: a DTensor on the (dp..., tp) mesh, and the layout
-    that re-wraps the gathered piece as ``p``.
+    that re-wraps the gathered piece as ``p``. ``dp_places`` are a plain parameter's
+    placements on ``dp_mesh``; where TP shards dim 0 too, the dp shard is strided.
 
     A plain parameter of a TP model (an embedding or a norm the plan leaves alone) is whole on
     every tp rank: it becomes ``Replicate()`` on tp, so that every parameter lives on the one
     (dp..., tp) mesh (``clip_grad_norm_`` stacks their norms), and it is read as the plain
     gathered tensor (layout None), as the plan left it."""
-    if isinstance(p, DTensor):
-        tp_places, local_tp = tuple(p.placements), p.to_local()
-    else:
-        tp_places, local_tp = (Replicate(),), p
+    is_tp = isinstance(p, DTensor)
+    tp_places, local_tp = (tuple(p.placements), p.to_local()) if is_tp else ((Replicate(),), p)
     layout = Dim0Layout(local_tp.shape, dp_mesh.size(dp_mesh.ndim - 1))
     local = layout.local(local_tp.detach(), rank).clone()
-    tp_splits_dim0 = any(isinstance(q, Shard) and q.dim == 0 for q in tp_places)
-    if len(p.shape) == 0:
-        shard_place = Replicate()  # a 0-D parameter travels whole
-    elif tp_splits_dim0:
-        shard_place = _StridedShard(0, split_factor=tp_mesh.size())
-    else:
-        shard_place = Shard(0)
-    places = (*([Replicate()] * (dp_mesh.ndim - 1)), shard_place, *tp_places)
-    stride = p.stride() if isinstance(p, DTensor) else torch.empty(p.shape, device="meta").stride()
-    dtensor = DTensor.from_local(local, spmd_mesh(dp_mesh, tp_mesh), places, run_check=False,
-                                 shape=p.shape, stride=stride)
+    if any(isinstance(q, Shard) and q.dim == 0 for q in tp_places):
+        dp_places = (*dp_places[:-1], _StridedShard(0, split_factor=tp_mesh.size()))
+    stride = p.stride() if is_tp else torch.empty(p.shape, device="meta").stride()
+    dtensor = DTensor.from_local(local, spmd_mesh(dp_mesh, tp_mesh), (*dp_places, *tp_places),
+                                 run_check=False, shape=p.shape, stride=stride)
     param = nn.Parameter(dtensor, requires_grad=p.requires_grad)
-    if not isinstance(p, DTensor):
-        return param, None
-    return param, TPLayout(tp_mesh, tp_places, p.shape, p.stride())
+    return param, TPLayout(tp_mesh, tp_places, p.shape, stride) if is_tp else None
 
 
 def _sharded_part(module: nn.Module) -> str | None:
