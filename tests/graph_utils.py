@@ -106,6 +106,19 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+class BlockStack(nn.Module):
+    """``n`` ``Block``s in a ModuleList (one bucket each), no head."""
+
+    def __init__(self, n: int, dim: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(n)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 class TwoBlock(nn.Module):
     """Two ``Block``s and a head (8 -> 3): three buckets, the model of most graph tests."""
 

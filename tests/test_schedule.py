@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import MATMULS, Block, c10d, calls, derived_before_matmul, fake_process_group
-from torch import fx, nn
+from graph_utils import (
+    MATMULS,
+    BlockStack,
+    c10d,
+    calls,
+    derived_before_matmul,
+    fake_process_group,
+)
+from torch import fx
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import graphshard
 
 
-class FourBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(16, 32) for _ in range(4)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def graphs(**options) -> dict[str, fx.GraphModule]:
     """Graphs of a 4-block step; every bucket is regathered in backward (schedule, not policy)."""
     backend = graphshard.backend(inductor=False, reshard_last_bucket=True, **options)
-    model = graphshard.shard(FourBlock())
+    model = graphshard.shard(BlockStack(4, 16, 32))
     torch.compile(model, backend=backend)(torch.randn(8, 16)).sum().backward()
     (stages,) = backend.graphs
     return stages
@@ -129,7 +125,7 @@ def test_schedule_is_deterministic(world2):
 
 
 def test_inductor_code_keeps_the_order(world2):
-    model = graphshard.shard(FourBlock())
+    model = graphshard.shard(BlockStack(4, 16, 32))
     compiled = torch.compile(model, backend=graphshard.backend(reshard_last_bucket=True))
     _, (fw, bw) = run_and_get_code(lambda: compiled(torch.randn(8, 16)).sum().backward())
     ag, wait_, mm = "all_gather_into_tensor.default(", "wait_tensor.default(", "extern_kernels."

@@ -8,7 +8,14 @@ from collections import Counter
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from graph_utils import MATMULS, Block, c10d, calls, derived_before_matmul, fake_process_group
+from graph_utils import (
+    MATMULS,
+    BlockStack,
+    c10d,
+    calls,
+    derived_before_matmul,
+    fake_process_group,
+)
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -16,17 +23,6 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import graphshard
 
 BLOCKS = 4
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(16, 32) for _ in range(BLOCKS)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def _tp_model(mesh) -> nn.Module:
@@ -37,7 +33,7 @@ def _tp_model(mesh) -> nn.Module:
     )
 
     torch.manual_seed(0)
-    model = Stack()
+    model = BlockStack(BLOCKS, 16, 32)
     plan = {}
     for i in range(BLOCKS):
         plan[f"blocks.{i}.up"] = ColwiseParallel()
