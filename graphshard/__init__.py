@@ -4,6 +4,7 @@
     model = torch.compile(model, backend="graphshard")
 """
 
+from graphshard import _source_tree  # noqa: F401  (first: mounts graphshard.passes in a checkout)
 from graphshard.checkpoint import (
     CheckpointInfo,
     CheckpointMismatchError,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphshard.errors import GraphshardValueError
-from passes.cost_model import HardwareProfile
+from graphshard.passes.cost_model import HardwareProfile
 
 __all__ = ["measure_profile"]
 

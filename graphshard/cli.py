@@ -109,7 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine and save it as a hardware profile."""
     from graphshard.calibrate import measure_profile
-    from passes.cost_model import save_profile
+    from graphshard.passes.cost_model import save_profile
 
     profile = measure_profile(args.world_size, name=args.name, big_bytes=args.bytes)
     path = save_profile(profile)

@@ -33,8 +33,7 @@ from graphshard.dump import GraphDumper, dump_dir_from_env
 from graphshard.errors import GraphshardTypeError
 from graphshard.fingerprint import check_compile_plan
 from graphshard.graph_breaks import TRACKER
-from graphshard.report import write_schedule
-from passes import (
+from graphshard.passes import (
     Plan,
     assign_buckets,
     dedupe_unshard,
@@ -46,8 +45,9 @@ from passes import (
     prefetch,
     reshard,
 )
-from passes.cost_model import collective_group, collective_kind
-from passes.runner import PassRunner
+from graphshard.passes.cost_model import collective_group, collective_kind
+from graphshard.passes.runner import PassRunner
+from graphshard.report import write_schedule
 
 __all__ = ["backend", "GraphshardBackend", "PIPELINE", "record_group_sizes"]
 
@@ -117,7 +117,7 @@ class GraphshardBackend:
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
         inductor: compile the transformed graphs with Inductor (default); False runs them
             as they are, op by op, which is slower but shows exactly what the passes built.
-        **plan_options: the scheduling and bucketing options of :class:`passes.Plan`
+        **plan_options: the scheduling and bucketing options of :class:`graphshard.passes.Plan`
             (``prefetch_depth``, ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``,
             ``profile``, ``reshard_last_bucket``).
     """
@@ -187,7 +187,7 @@ def backend(**options: Any) -> GraphshardBackend:
     """A configured graphshard backend for ``torch.compile(model, backend=...)``.
 
     ``torch.compile(model, backend="graphshard")`` uses the defaults. See
-    :class:`GraphshardBackend` and :class:`passes.Plan` for the options.
+    :class:`GraphshardBackend` and :class:`graphshard.passes.Plan` for the options.
     """
     return GraphshardBackend(**options)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import fx
 
 from graphshard.errors import PlanMismatchError
-from passes.markers import is_unshard, marker_args
+from graphshard.passes.markers import is_unshard, marker_args
 
 __all__ = [
     "PlanMismatchError",

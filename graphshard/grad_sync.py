@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from graphshard.errors import GraphshardRuntimeError
+from graphshard.passes.markers import GradSync
 from graphshard.sharding import ShardedParam, ShardState, shard_state
-from passes.markers import GradSync
 
 __all__ = ["no_sync", "set_requires_gradient_sync", "set_requires_all_reduce"]
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from passes.cost_model import HardwareProfile, all_gather_time, reduce_scatter_time
-from passes.fx_util import collectives
-from passes.markers import is_reduce_grad, marker_args
+from graphshard.passes.cost_model import HardwareProfile, all_gather_time, reduce_scatter_time
+from graphshard.passes.fx_util import collectives
+from graphshard.passes.markers import is_reduce_grad, marker_args
 
 __all__ = ["GraphBreakWarning", "BreakCost", "break_cost", "GraphBreakTracker"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.layout import (
+from graphshard.passes.layout import (
     Dim0Layout,
     eager,
     full_from_gathered,
@@ -24,7 +24,7 @@ from passes.layout import (
     rank_major,
     rows_held,
 )
-from passes.markers import (
+from graphshard.passes.markers import (
     REDUCE_GRAD,
     UNSHARD,
     GradSync,

@@ -6,15 +6,15 @@ from pathlib import Path
 
 from torch import fx
 
-from graphshard.timeline import render_png, write_trace
-from passes.cost_model import (
+from graphshard.passes.cost_model import (
     HardwareProfile,
     collective_bytes_per_rank,
     collective_group,
     collective_kind,
     node_time,
 )
-from passes.simulate import Timeline, simulate
+from graphshard.passes.simulate import Timeline, simulate
+from graphshard.timeline import render_png, write_trace
 
 __all__ = [
     "bucket_rows", "bucket_table", "collectives_by_group", "step_summary", "write_schedule",
@@ -124,7 +124,7 @@ def collectives_by_group(
 ) -> dict[str, dict]:
     """Every collective of one training step (graphshard's and any other, such as DTensor's
     tensor-parallel ones), by process group name: ``count``, ``bytes`` one rank sends (the
-    ring formula of :func:`passes.cost_model.collective_bytes_per_rank`) and ``seconds``
+    ring formula of :func:`graphshard.passes.cost_model.collective_bytes_per_rank`) and ``seconds``
     (the cost model's time, overlapped or not)."""
     out: dict[str, dict] = {}
     for stages in graphs:

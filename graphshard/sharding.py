@@ -3,8 +3,8 @@
 Each parameter becomes an ``nn.Parameter`` wrapping a ``DTensor`` of the full shape, placed
 ``Shard(0)`` on the shard mesh (``(Replicate(), Shard(0))`` on an HSDP mesh; a 0-D
 parameter is replicated); its local tensor is this rank's rows as ``torch.chunk`` lays them
-out (``passes.layout``). So ``parameters()``, optimizers, ``state_dict()``, DCP and torch's
-utilities (``clip_grad_norm_``, ``numel()``, ``nn.init``) see sharded parameters with their
+out (``graphshard.passes.layout``). So ``parameters()``, optimizers, ``state_dict()``, DCP and
+torch's utilities (``clip_grad_norm_``, ``numel()``, ``nn.init``) see sharded parameters with their
 global shapes, and gradients arrive as DTensors with the same placements.
 
 Attribute access (``self.weight``) goes through a per-instance subclass whose property
@@ -41,9 +41,9 @@ from graphshard.errors import (
 )
 from graphshard.mixed_precision import MixedPrecision, install_casts
 from graphshard.offload import CPUOffload, resolve_offload
+from graphshard.passes.layout import Dim0Layout
+from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.tensor_parallel import TPLayout, refuse_tp_after_shard, tp_mesh_of, tp_parameter
-from passes.layout import Dim0Layout
-from passes.markers import UNSHARD, GradSync, UnshardSpec
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",

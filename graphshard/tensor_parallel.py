@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from graphshard.errors import ShardedModelError
-from passes.layout import Dim0Layout
+from graphshard.passes.layout import Dim0Layout
 
 __all__ = ["TPLayout", "tp_mesh_of", "tp_parameter", "refuse_tp_after_shard"]
 

@@ -1,4 +1,5 @@
-"""Views of a simulated :class:`~passes.simulate.Timeline`: Chrome/Perfetto trace and PNG.
+"""Views of a simulated :class:`~graphshard.passes.simulate.Timeline`: Chrome/Perfetto trace
+and PNG.
 
 Overlap is easiest to judge by eye: the trace opens in ``chrome://tracing`` or
 ui.perfetto.dev, the PNG goes into reports and issues.
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from passes.simulate import Event, Timeline
+from graphshard.passes.simulate import Event, Timeline
 
 __all__ = ["event_label", "render_png", "to_chrome_trace", "write_trace"]
 

@@ -24,10 +24,10 @@ from torch import fx
 
 from graphshard.errors import GraphshardValueError
 from graphshard.offline import Factory, trace_step_offline
+from graphshard.passes.cost_model import get_profile
+from graphshard.passes.markers import is_unshard, marker_args
+from graphshard.passes.simulate import gathered_nodes, simulate
 from graphshard.report import collectives_by_group, step_summary
-from passes.cost_model import get_profile
-from passes.markers import is_unshard, marker_args
-from passes.simulate import gathered_nodes, simulate
 
 __all__ = [
     "WhatIf",

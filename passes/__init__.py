@@ -4,18 +4,18 @@ They run on FX graphs with fake tensors and need no process group, so they are u
 in one process and used offline on models far larger than the machine.
 """
 
-from passes.bucketing import assign_buckets
-from passes.dedupe import dedupe_unshard
-from passes.fold_views import fold_views
-from passes.layout import Dim0Layout
-from passes.lower_reduce_grad import lower_reduce_grad
-from passes.lower_unshard import lower_unshard
-from passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard
-from passes.merge_reduce_grad import merge_reduce_grad
-from passes.overlap_reduce import overlap_reduce
-from passes.plan import Bucket, Plan, collect_buckets
-from passes.prefetch import prefetch
-from passes.reshard import reshard
+from graphshard.passes.bucketing import assign_buckets
+from graphshard.passes.dedupe import dedupe_unshard
+from graphshard.passes.fold_views import fold_views
+from graphshard.passes.layout import Dim0Layout
+from graphshard.passes.lower_reduce_grad import lower_reduce_grad
+from graphshard.passes.lower_unshard import lower_unshard
+from graphshard.passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard
+from graphshard.passes.merge_reduce_grad import merge_reduce_grad
+from graphshard.passes.overlap_reduce import overlap_reduce
+from graphshard.passes.plan import Bucket, Plan, collect_buckets
+from graphshard.passes.prefetch import prefetch
+from graphshard.passes.reshard import reshard
 
 __all__ = [
     "UNSHARD",

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
+from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
 from torch import fx
-
-from passes.errors import GraphshardValueError, UnpricedSizeError
 
 __all__ = [
     "HardwareProfile",

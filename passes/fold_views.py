@@ -13,10 +13,9 @@ expect: marker inputs are parameters, marker outputs are gradients.
 from __future__ import annotations
 
 import torch
+from graphshard.passes.markers import is_reduce_grad, is_unshard
+from graphshard.passes.plan import Plan
 from torch import fx
-
-from passes.markers import is_reduce_grad, is_unshard
-from passes.plan import Plan
 
 __all__ = ["fold_views", "is_noop_view"]
 

@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from graphshard.passes.errors import GraphLoweringError
 from torch import fx
 from torch._guards import detect_fake_mode
-
-from passes.errors import GraphLoweringError
 
 __all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
 

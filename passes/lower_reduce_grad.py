@@ -1,7 +1,7 @@
 """Lower the ``reduce_grad`` markers of each bucket into one reduce-scatter.
 
 Each full gradient is laid out rank-major, ``[world, piece_numel]`` with dim-0 padding
-(``passes.layout``); the bucket's gradients are concatenated along dim 1 so that rank r's
+(``graphshard.passes.layout``); the bucket's gradients are concatenated along dim 1 so that rank r's
 slice of the flat buffer is exactly the concatenation of its padded pieces. One averaging
 reduce-scatter then hands each rank its pieces, of which it keeps its own rows. Mixed
 precision casts the gradients to ``reduce_dtype`` first and the result back to the shard's
@@ -19,13 +19,12 @@ of the host copy. It depends on the wait, so ``overlap_reduce`` moves it with th
 from __future__ import annotations
 
 import torch
+from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
+from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major
+from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op
+from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from torch import fx
-
-from passes.errors import GraphLoweringError
-from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
-from passes.layout import Dim0Layout, local_from_reduced, rank_major
-from passes.markers import is_reduce_grad, marker_args, reduce_op
-from passes.plan import Bucket, Plan, collect_buckets
 
 __all__ = ["lower_reduce_grad"]
 

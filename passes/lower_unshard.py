@@ -2,7 +2,7 @@
 
 One collective per bucket pays the latency once for all its parameters: the bucket's local
 shards are cast to the mixed-precision ``param_dtype`` (if any), padded to equal pieces and
-flattened into one buffer (``passes.layout``), gathered rank-major, and each parameter is
+flattened into one buffer (``graphshard.passes.layout``), gathered rank-major, and each parameter is
 rebuilt from its column of the gathered ``[world, bucket_numel]`` matrix, padding cut off.
 The gather is placed just before the bucket's first marker (its first use); the scheduling
 passes move it earlier.
@@ -15,12 +15,11 @@ gathered. The copies are inputs of the gather, so ``prefetch`` moves them with i
 from __future__ import annotations
 
 import torch
+from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
+from graphshard.passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
+from graphshard.passes.markers import is_unshard, marker_args
+from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from torch import fx
-
-from passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
-from passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
-from passes.markers import is_unshard, marker_args
-from passes.plan import Bucket, Plan, collect_buckets
 
 __all__ = ["lower_unshard"]
 

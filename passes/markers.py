@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from graphshard.passes.errors import GraphshardValueError
+from graphshard.passes.layout import Dim0Layout
 from torch import fx
-
-from passes.errors import GraphshardValueError
-from passes.layout import Dim0Layout
 
 __all__ = [
     "UNSHARD",
@@ -35,7 +34,7 @@ _lib = torch.library.Library("graphshard", "DEF")
 # ``sync`` says where the gradient of one micro-batch goes (see ``GradSync``); ``accum`` is the
 # leaf that receives it when it is not reduced all the way, ``pending_*`` what earlier
 # micro-batches accumulated, folded into this micro-batch's reduction. ``shard`` is the rank's
-# local rows (the DTensor parameter's local tensor, unpadded: see ``passes.layout``).
+# local rows (the DTensor parameter's local tensor, unpadded: see ``graphshard.passes.layout``).
 # ``compute_device`` (CPU offload): the device type the shard is copied to before the gather
 # ('' = gathered where it lives); the last of the per-parameter fields ``shard()`` fixes, so
 # the per-read ones (``sync`` ...) follow it.

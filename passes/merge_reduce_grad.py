@@ -17,11 +17,10 @@ from __future__ import annotations
 import operator
 
 import torch
+from graphshard.passes.fx_util import NodeMaker
+from graphshard.passes.markers import REDUCE_GRAD, is_reduce_grad, marker_args
+from graphshard.passes.plan import Plan
 from torch import fx
-
-from passes.fx_util import NodeMaker
-from passes.markers import REDUCE_GRAD, is_reduce_grad, marker_args
-from passes.plan import Plan
 
 __all__ = ["merge_reduce_grad"]
 

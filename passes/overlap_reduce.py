@@ -11,10 +11,9 @@ is waited); its wait is delayed one bucket further, so it too runs under compute
 
 from __future__ import annotations
 
+from graphshard.passes.fx_util import collectives, descendants, move_before, wait_of
+from graphshard.passes.plan import Plan
 from torch import fx
-
-from passes.fx_util import collectives, descendants, move_before, wait_of
-from passes.plan import Plan
 
 __all__ = ["overlap_reduce"]
 

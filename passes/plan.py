@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from graphshard.passes.cost_model import HardwareProfile, get_profile
+from graphshard.passes.errors import GraphshardValueError
+from graphshard.passes.markers import marker_args
 from torch import fx
-
-from passes.cost_model import HardwareProfile, get_profile
-from passes.errors import GraphshardValueError
-from passes.markers import marker_args
 
 __all__ = ["Plan", "Bucket", "collect_buckets"]
 

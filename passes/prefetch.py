@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import warnings
 
+from graphshard.passes.fx_util import (
+    ancestors_after,
+    collectives,
+    graph_order,
+    move_before,
+    wait_of,
+)
+from graphshard.passes.plan import Plan
 from torch import fx
-
-from passes.fx_util import ancestors_after, collectives, graph_order, move_before, wait_of
-from passes.plan import Plan
 
 __all__ = ["prefetch", "gathered_bytes"]
 

@@ -25,11 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from graphshard.passes.errors import GraphshardError
+from graphshard.passes.markers import is_reduce_grad, is_unshard
+from graphshard.passes.plan import Plan
 from torch import fx
-
-from passes.errors import GraphshardError
-from passes.markers import is_reduce_grad, is_unshard
-from passes.plan import Plan
 
 __all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
 

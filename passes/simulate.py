@@ -12,15 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
-
-from passes.cost_model import (
+from graphshard.passes.cost_model import (
     HardwareProfile,
     collective_kind,
     node_flops,
     node_time,
     tensor_bytes,
 )
+from torch import fx
 
 __all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes", "gathered_nodes"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from graphshard.passes.cost_model import get_profile
 
 from graphshard.cli import main
 from graphshard.offline import load_factory
-from passes.cost_model import get_profile
 
 FACTORY = '''
 import torch

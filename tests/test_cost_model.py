@@ -6,10 +6,7 @@ import json
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-
-import graphshard
-from passes.cost_model import (
+from graphshard.passes.cost_model import (
     PROFILES,
     HardwareProfile,
     all_gather_time,
@@ -21,7 +18,10 @@ from passes.cost_model import (
     save_profile,
     tensor_bytes,
 )
-from passes.errors import UnpricedSizeError
+from graphshard.passes.errors import UnpricedSizeError
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graphshard
 
 aten = torch.ops.aten
 

@@ -114,7 +114,7 @@ def test_bad_plan_values(options, message):
 
 
 def test_unknown_hardware_profile_lists_the_known_ones():
-    from passes.cost_model import get_profile
+    from graphshard.passes.cost_model import get_profile
 
     with pytest.raises(ValueError, match="h100-nvlink"):
         get_profile("h100-nvlnk")
@@ -133,10 +133,10 @@ _BUILTINS = {
 
 
 def _library_modules() -> list[str]:
-    import passes
+    import graphshard.passes
 
     names = []
-    for package in (graphshard, passes):
+    for package in (graphshard, graphshard.passes):
         names.append(package.__name__)
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             names.append(info.name)
@@ -173,7 +173,7 @@ def test_old_import_paths_and_builtin_bases_are_kept():
 
 
 def test_bad_option_is_both_value_error_and_graphshard_error():
-    from passes.plan import Plan
+    from graphshard.passes.plan import Plan
 
     with pytest.raises(graphshard.GraphshardError, match="bucketing must be one of"):
         Plan(bucketing="nope")

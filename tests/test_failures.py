@@ -17,6 +17,8 @@ import torch
 from ckpt_utils import batch, build, launch, results
 from dist_utils import full_state
 from graph_utils import fake_process_group
+from graphshard.passes import Plan
+from graphshard.passes.markers import UNSHARD
 from torch import fx, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -26,8 +28,6 @@ from graphshard.checkpoint import COMMIT_MARKER, latest_checkpoint
 from graphshard.fingerprint import describe_differences, graph_fingerprint, shard_fingerprint
 from graphshard.models.mlp import OddMLP
 from graphshard.sharding import shard_state
-from passes import Plan
-from passes.markers import UNSHARD
 
 PG_TIMEOUT_S = 3.0
 

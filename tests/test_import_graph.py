@@ -1,4 +1,5 @@
-"""The package's import graph: imports point one way (graphshard -> passes, never back) and
+"""The package's import graph: imports point one way (graphshard -> graphshard.passes, never
+back) and
 no module imports one that imports it back, counting imports inside function bodies (a cycle
 hidden there still couples the two modules)."""
 
@@ -8,16 +9,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("graphshard", "passes")
+# import name -> folder (the passes install as graphshard.passes from the root folder passes/)
+PACKAGES = {"graphshard": ROOT / "graphshard", "graphshard.passes": ROOT / "passes"}
+PASSES = "graphshard.passes"
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((package, *parts))] = path
     return found
 
 
@@ -77,12 +80,33 @@ def test_no_import_cycles_even_in_function_bodies():
     assert cycles(import_graph()) == []
 
 
+def _in_passes(module: str) -> bool:
+    return module == PASSES or module.startswith(PASSES + ".")
+
+
 def test_passes_never_import_graphshard():
-    backwards = {m: sorted(t for t in targets if t.split(".")[0] == "graphshard")
-                 for m, targets in import_graph().items() if m.startswith("passes")}
+    backwards = {m: sorted(t for t in targets if not _in_passes(t))
+                 for m, targets in import_graph().items() if _in_passes(m)}
     assert {m: t for m, t in backwards.items() if t} == {}
 
 
 def test_the_cycle_finder_finds_a_hidden_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_a_top_level_passes():
+    """The passes are imported as ``graphshard.passes`` everywhere: a top-level ``passes``
+    would pick up a user's own ``passes.py`` (library, tests, bench and examples alike)."""
+    offenders = []
+    for folder in ("graphshard", "passes", "tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                              if n.split(".")[0] == "passes"]
+    assert offenders == []

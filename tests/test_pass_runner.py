@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_utils import BlockStack, c10d, calls, fake_process_group
+from graphshard.passes import Plan, lower_unshard
+from graphshard.passes.markers import is_unshard
+from graphshard.passes.runner import PassInvariantError, PassRunner
 from torch import fx
 
 import graphshard
-from passes import Plan, lower_unshard
-from passes.markers import is_unshard
-from passes.runner import PassInvariantError, PassRunner
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_lowered_collectives_point_at_the_users_code(stages, stage):
 def test_the_per_parameter_spec_names_the_markers_arguments_in_order():
     """``shard()`` builds each parameter's fixed ``unshard`` arguments by name
     (``UnshardSpec``); they must be the schema's arguments after ``shard``, in order."""
-    from passes.markers import UNSHARD, UnshardArgs, UnshardSpec
+    from graphshard.passes.markers import UNSHARD, UnshardArgs, UnshardSpec
 
     schema = [a.name for a in UNSHARD._schema.arguments]
     assert list(UnshardArgs._fields) == schema

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from graphshard.passes.cost_model import (
+    HardwareProfile,
+    all_gather_time,
+    all_reduce_time,
+    node_time,
+)
+from graphshard.passes.simulate import simulate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from passes.cost_model import HardwareProfile, all_gather_time, all_reduce_time, node_time
-from passes.simulate import simulate
 
 c10d = torch.ops._c10d_functional
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
+from graphshard.passes.simulate import Event, Timeline
+
 from graphshard.timeline import event_label, render_png, to_chrome_trace, write_trace
-from passes.simulate import Event, Timeline
 
 
 def _timeline() -> Timeline:
