@@ -86,7 +86,7 @@ def graphshard_summary(system: System, device: torch.device) -> dict:
     """
     from graphshard.passes.cost_model import get_profile
 
-    from graphshard.report import step_summary
+    from graphshard.analysis.report import step_summary
 
     profile = "h100-nvlink" if device.type == "cuda" else "cpu-gloo"
     try:

@@ -18,7 +18,8 @@ after the other from the same initial model and on the same batches. Per system:
   buffers, gradients and optimizer state, unique storages) plus the peak of the running sum
   of the profiler's memory events in time order. CUDA: ``torch.cuda.max_memory_allocated``.
 - ``collectives_per_step`` / ``bytes_per_step``: graphshard-compiled from
-  ``graphshard.report.step_summary`` over the compiled graphs; the others from the ``c10d::``
+  ``graphshard.analysis.report.step_summary`` over the compiled graphs; the others from the
+  ``c10d::``
   collective ops the profiler records during the profiled step. Bytes are what one rank sends
   on a ring: ``(N-1)/N`` of the full buffer for all-gather, reduce-scatter and broadcast,
   ``2(N-1)/N`` for all-reduce (the profiler records no dtype for tensor-list arguments; those

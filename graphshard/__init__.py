@@ -5,25 +5,25 @@
 """
 
 from graphshard import _source_tree  # noqa: F401  (first: mounts graphshard.passes in a checkout)
-from graphshard.checkpoint import (
+from graphshard.api.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
+from graphshard.api.mixed_precision import MixedPrecision
+from graphshard.api.offload import CPUOffload
+from graphshard.api.sharding import shard
+from graphshard.compiler.backend import GraphshardBackend, backend
+from graphshard.compiler.graph_breaks import GraphBreakWarning
+from graphshard.errors import GraphshardError
+from graphshard.safety.failures import RankFailureError, report_rank_failures
+from graphshard.safety.fingerprint import PlanMismatchError
+from graphshard.safety.guards import ShardedModelError
+from graphshard.state.checkpoint import (
     CheckpointInfo,
     CheckpointMismatchError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from graphshard.compiler import GraphshardBackend, backend
-from graphshard.errors import GraphshardError
-from graphshard.failures import RankFailureError, report_rank_failures
-from graphshard.fingerprint import PlanMismatchError
-from graphshard.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
-from graphshard.graph_breaks import GraphBreakWarning
-from graphshard.guards import ShardedModelError
-from graphshard.hf import init_non_persistent_buffers, load_safetensors
-from graphshard.loading import load_full_checkpoint
-from graphshard.mixed_precision import MixedPrecision
-from graphshard.offload import CPUOffload
-from graphshard.sharding import shard
+from graphshard.state.hf import init_non_persistent_buffers, load_safetensors
+from graphshard.state.loading import load_full_checkpoint
 
 __all__ = [
     "shard",

@@ -7,9 +7,9 @@ working. This is a leaf module: it imports nothing else of ``graphshard``.
 The root of the family and the errors the graph passes raise are defined in
 :mod:`graphshard.passes.errors` and re-exported here: imports point ``graphshard ->
 graphshard.passes`` and never back, so that is the one place both packages can import them
-from. The errors only the runtime raises are defined here; their old modules (``graphshard.guards``,
-``graphshard.fingerprint``, ``graphshard.failures``, ``graphshard.checkpoint``) re-export
-them.
+from. The errors only the runtime raises are defined here; the modules that raise them
+(``graphshard.safety.guards``, ``graphshard.safety.fingerprint``, ``graphshard.safety.failures``,
+``graphshard.state.checkpoint``) re-export them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A sharded parameter is read through ``graphshard::unshard`` and its gradient lea
 ``graphshard::reduce_grad``. Both carry everything the passes need as plain arguments (full
 shape, bucket, reshard policy, group), so a traced graph is self-describing: the passes never
 look at a module or a process group. Only the schemas and the fake (shape) implementations
-live here; the eager kernels that really communicate are registered by ``graphshard.ops``.
+live here; the eager kernels that really communicate are registered by
+``graphshard.api.eager_kernels``.
 """
 
 from __future__ import annotations

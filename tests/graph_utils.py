@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from graphshard.offline import fake_process_group  # noqa: F401  (re-exported for tests)
+from graphshard.tools.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
 c10d = torch.ops._c10d_functional
 

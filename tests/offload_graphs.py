@@ -92,8 +92,8 @@ def trace(
     from torch.distributed.device_mesh import init_device_mesh
 
     import graphshard
-    from graphshard.offline import fake_process_group
-    from graphshard.sharding import shard_state
+    from graphshard.api.sharding import shard_state
+    from graphshard.tools.offline import fake_process_group
 
     register_fake_accelerator()
     world = 1
@@ -144,7 +144,7 @@ def trace(
                 )
             out = compiled(x)
             out.sum().backward()
-        from graphshard.fingerprint import shard_fingerprint
+        from graphshard.safety.fingerprint import shard_fingerprint
 
         fp = shard_fingerprint(state)
         result["fingerprint"] = {k: v for k, v in fp.items() if k.startswith("shard option")}
@@ -172,7 +172,7 @@ def kernels() -> dict[str, Any]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from graphshard import ops
-    from graphshard.offline import fake_process_group
+    from graphshard.tools.offline import fake_process_group
 
     register_fake_accelerator()
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import graphshard
-from graphshard.checkpoint import COMMIT_MARKER
+from graphshard.state.checkpoint import COMMIT_MARKER
 
 # model -> how the resume test runs it
 KINDS = {"awkward": "eager", "llama": "compiled"}

@@ -7,8 +7,8 @@ import json
 import pytest
 from graphshard.passes.cost_model import get_profile
 
-from graphshard.cli import main
-from graphshard.offline import load_factory
+from graphshard.tools.cli import main
+from graphshard.tools.offline import load_factory
 
 FACTORY = '''
 import torch

@@ -161,10 +161,10 @@ def test_every_error_class_is_a_graphshard_error():
 
 
 def test_old_import_paths_and_builtin_bases_are_kept():
-    from graphshard.checkpoint import CheckpointMismatchError
-    from graphshard.failures import RankFailureError
-    from graphshard.fingerprint import PlanMismatchError
-    from graphshard.guards import ShardedModelError
+    from graphshard.safety.failures import RankFailureError
+    from graphshard.safety.fingerprint import PlanMismatchError
+    from graphshard.safety.guards import ShardedModelError
+    from graphshard.state.checkpoint import CheckpointMismatchError
 
     for cls in (ShardedModelError, PlanMismatchError, RankFailureError):
         assert issubclass(cls, RuntimeError) and issubclass(cls, graphshard.GraphshardError)

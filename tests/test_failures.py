@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import graphshard
-from graphshard.checkpoint import COMMIT_MARKER, latest_checkpoint
-from graphshard.fingerprint import describe_differences, graph_fingerprint, shard_fingerprint
+from graphshard.api.sharding import shard_state
 from graphshard.models.mlp import OddMLP
-from graphshard.sharding import shard_state
+from graphshard.safety.fingerprint import describe_differences, graph_fingerprint, shard_fingerprint
+from graphshard.state.checkpoint import COMMIT_MARKER, latest_checkpoint
 
 PG_TIMEOUT_S = 3.0
 

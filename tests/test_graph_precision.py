@@ -9,7 +9,7 @@ import torch
 from graph_utils import TwoBlock, c10d, calls, fake_process_group, saved_for_backward
 
 import graphshard
-from graphshard.report import bucket_rows
+from graphshard.analysis.report import bucket_rows
 
 AG, RS, AR = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
               c10d.all_reduce.default)
@@ -27,7 +27,7 @@ def _dtype(node):
 
 
 def _full_shapes(model) -> set[tuple[int, ...]]:
-    return {tuple(p.full_shape) for p in graphshard.sharding.shard_state(model).params}
+    return {tuple(p.full_shape) for p in graphshard.api.sharding.shard_state(model).params}
 
 
 def test_bf16_gathers_and_saves_no_fp32_parameter():
@@ -87,7 +87,7 @@ def test_no_sync_backward_has_no_reduce_scatter_and_sync_folds_it_in():
         assert len(held_inputs) == sum(1 for _ in model.parameters())
         assert all(p.grad is not None for p in model.parameters())
         # What was held back is dropped once folded in.
-        state = graphshard.sharding.shard_state(model)
+        state = graphshard.api.sharding.shard_state(model)
         assert all(e.unreduced.grad is None for e in state.params)
 
 
@@ -196,7 +196,7 @@ def test_no_sync_after_a_dtype_change_uses_fresh_accumulators():
         model.double()
         with graphshard.no_sync(model):
             model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
-        state = graphshard.sharding.shard_state(model)
+        state = graphshard.api.sharding.shard_state(model)
         assert all(e.unreduced.grad.dtype == torch.float64 for e in state.params)
         model.float()  # with gradients held back: refused, not silently mixed
         with pytest.raises(RuntimeError, match="move the model between accumulation"):

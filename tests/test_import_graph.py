@@ -24,13 +24,32 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree``, function bodies included, except what sits under ``if
+    TYPE_CHECKING:`` (annotations only: it never runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere in its source. ``from pkg import
-    sub`` counts as importing ``pkg.sub`` (not all of ``pkg``)."""
+    """Module -> the package modules it imports anywhere in its source (function bodies
+    included). ``from pkg import sub`` counts as importing ``pkg.sub`` (not all of ``pkg``)."""
     modules = _modules()
     edges: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -110,3 +129,55 @@ def test_no_module_imports_a_top_level_passes():
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
                               if n.split(".")[0] == "passes"]
     assert offenders == []
+
+
+# The rooms of graphshard/ from the bottom up: a module imports only from its own room or a
+# lower one, so the folders read as the data path (records -> the user API -> the compiler
+# -> state on disk -> tools). The package root's __init__ (the public API) may import any.
+LAYERS = [
+    {"graphshard.errors", "graphshard.records", "graphshard._source_tree"},
+    {"graphshard.models"},
+    {"graphshard.safety"},
+    {"graphshard.analysis"},
+    {"graphshard.api"},
+    {"graphshard.compiler"},
+    {"graphshard.state"},
+    {"graphshard.tools"},
+]
+
+
+def _layer(module: str) -> int | None:
+    for depth, rooms in enumerate(LAYERS):
+        if any(module == r or module.startswith(r + ".") for r in rooms):
+            return depth
+    return None
+
+
+def test_every_module_sits_in_a_room():
+    homeless = [m for m in import_graph()
+                if not _in_passes(m) and m != "graphshard" and _layer(m) is None]
+    assert homeless == []
+
+
+def test_rooms_import_only_downward():
+    upward = []
+    for module, targets in import_graph().items():
+        if _in_passes(module) or module == "graphshard":
+            continue
+        for target in targets:
+            if not _in_passes(target) and _layer(target) > _layer(module):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_records_is_a_leaf():
+    """The shared record types import nothing of graphshard at run time."""
+    assert import_graph()["graphshard.records"] == set()
+
+
+def test_type_checking_imports_are_not_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+                     "else:\n    import b\ndef f():\n    import c\n")
+    imported = {alias.name for node in _runtime_nodes(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    assert imported == {"b", "c"}

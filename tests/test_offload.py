@@ -360,7 +360,7 @@ def test_offload_on_a_cpu_only_run_says_why_and_what_to_change(gloo_rank):
     with pytest.raises(ValueError) as error:
         graphshard.shard(model, offload=graphshard.CPUOffload())  # mesh from the CPU params
     _message_names_the_fix(error)
-    assert not graphshard.sharding.is_sharded(model)  # refused before anything changed
+    assert not graphshard.api.sharding.is_sharded(model)  # refused before anything changed
     assert type(model) is nn.Linear and not hasattr(model.weight, "device_mesh")
     graphshard.shard(model)  # the fix: without offload= it shards
     assert model.weight.shape == (4, 4)

@@ -12,8 +12,8 @@ from graphshard.passes.cost_model import all_reduce_time, collective_bytes_per_r
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from graphshard.cli import main
 from graphshard.models.llama import Llama, llama_config, tensor_parallel_plan
+from graphshard.tools.cli import main
 
 c10d = torch.ops._c10d_functional
 

@@ -6,7 +6,7 @@ import json
 
 from graphshard.passes.simulate import Event, Timeline
 
-from graphshard.timeline import event_label, render_png, to_chrome_trace, write_trace
+from graphshard.analysis.timeline import event_label, render_png, to_chrome_trace, write_trace
 
 
 def _timeline() -> Timeline:

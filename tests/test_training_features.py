@@ -33,7 +33,7 @@ from parity_features import (
 from torch import fx
 
 import graphshard
-from graphshard.graph_breaks import GraphBreakWarning
+from graphshard.compiler.graph_breaks import GraphBreakWarning
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 MODES = ("eager", "compiled")

@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from graphshard.cli import main
 from graphshard.models.llama import Llama, llama_config
+from graphshard.tools.cli import main
 
 
 def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
 
 
 def test_kept_parameters_are_not_counted_as_activations(tmp_path):
-    from graphshard.whatif import llama_factory, what_if
+    from graphshard.tools.whatif import llama_factory, what_if
 
     factory = llama_factory("tiny", 1, 16)
     kept = what_if(factory, 2, profile="cpu-gloo")

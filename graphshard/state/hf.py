@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphshard.checkpoint import CheckpointMismatchError, root_module
 from graphshard.errors import (
     GraphshardFileNotFoundError,
     GraphshardRuntimeError,
     GraphshardTypeError,
 )
-from graphshard.loading import agree, broadcast_full_state, plan_keys
+from graphshard.state.checkpoint import CheckpointMismatchError, root_module
+from graphshard.state.loading import agree, broadcast_full_state, plan_keys
 
 __all__ = ["load_safetensors", "init_non_persistent_buffers", "safetensors_files"]
 

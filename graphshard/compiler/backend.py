@@ -1,24 +1,15 @@
 """The ``graphshard`` torch.compile backend: Dynamo graph -> AOTAutograd -> passes -> Inductor.
 
-Stages and their passes (each dumped before and after when a dump directory is set):
-- ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
-- ``joint``: ``fold_views`` (markers read parameters and return gradients directly, not
-  through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
-  reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
-  ``assign_buckets`` (the ``size``/``auto`` strategies),
-  ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
-- ``fw``: ``lower_unshard``, ``prefetch``;
-- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
-- ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
-  ``overlap_reduce``.
-Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
-A graph that follows a graph break warns with its cost (``graphshard.GraphBreakWarning``).
+Each stage's graph goes through its passes (:mod:`graphshard.compiler.pipeline`): the Dynamo
+graph, the joint graph before the min-cut partitioner, then the forward, backward or
+inference graph before Inductor. A graph that follows a graph break warns with its cost
+(``graphshard.GraphBreakWarning``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -28,70 +19,18 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from graphshard import ops  # noqa: F401  (registers the eager kernels)
-from graphshard.dump import GraphDumper, dump_dir_from_env
+from graphshard.analysis.report import write_schedule
+from graphshard.api import eager_kernels  # noqa: F401  (registers the eager kernels)
+from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
+from graphshard.compiler.graph_breaks import TRACKER
+from graphshard.compiler.pipeline import record_group_sizes, run_passes
 from graphshard.errors import GraphshardTypeError
-from graphshard.fingerprint import check_compile_plan
-from graphshard.graph_breaks import TRACKER
-from graphshard.passes import (
-    Plan,
-    assign_buckets,
-    dedupe_unshard,
-    fold_views,
-    lower_reduce_grad,
-    lower_unshard,
-    merge_reduce_grad,
-    overlap_reduce,
-    prefetch,
-    reshard,
-)
-from graphshard.passes.cost_model import collective_group, collective_kind
-from graphshard.passes.runner import PassRunner
-from graphshard.report import write_schedule
+from graphshard.passes import Plan
+from graphshard.safety.fingerprint import check_compile_plan
 
-__all__ = ["backend", "GraphshardBackend", "PIPELINE", "record_group_sizes"]
-
-Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
-
-PIPELINE: dict[str, list[Pass]] = {
-    "dynamo": [dedupe_unshard],
-    "joint": [fold_views, merge_reduce_grad, assign_buckets, reshard],
-    "fw": [lower_unshard, prefetch],
-    "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
-    "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
-}
+__all__ = ["backend", "GraphshardBackend"]
 
 _graph_ids = itertools.count()
-
-
-def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
-               seconds: dict[str, float] | None = None) -> fx.GraphModule:
-    """Run the passes of ``stage`` through the :class:`PassRunner` (lint, recompile and
-    invariants after each), dumping the graph before and after each; each pass's wall time
-    is added to ``seconds``."""
-    runner = PassRunner(after_each=lambda step, name, g: dumper.write(stage, step, name, g),
-                        seconds={} if seconds is None else seconds)
-    return runner.run(stage, PIPELINE[stage], gm, plan)
-
-
-def record_group_sizes(gm: fx.GraphModule) -> None:
-    """Write ``node.meta["group_size"]`` on every all-reduce and all-to-all of ``gm`` whose
-    arguments only name their group (DTensor's tensor-parallel collectives), so that the
-    cost model, which never sees a process group, can price them. Groups this process does
-    not know are left alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    for node in gm.graph.nodes:
-        if collective_kind(node) not in ("all_reduce", "all_to_all"):
-            continue
-        name, size = collective_group(node)
-        if size is None:
-            try:
-                node.meta["group_size"] = _resolve_process_group(name).size()
-            except (ValueError, RuntimeError, KeyError):
-                pass
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):

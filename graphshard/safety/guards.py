@@ -21,7 +21,7 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
   ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` (DTensor's own error
   would not say what to call).
 - The plan fingerprint and the parameters' values are compared across ranks
-  (:mod:`graphshard.fingerprint`).
+  (:mod:`graphshard.safety.fingerprint`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphshard.errors import ShardedModelError
-from graphshard.fingerprint import check_shard_plan, check_shard_values
+from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = ["collect_originals", "after_shard", "ShardedModelError"]
 

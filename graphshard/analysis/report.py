@@ -6,6 +6,7 @@ from pathlib import Path
 
 from torch import fx
 
+from graphshard.analysis.timeline import render_png, write_trace
 from graphshard.passes.cost_model import (
     HardwareProfile,
     collective_bytes_per_rank,
@@ -14,7 +15,6 @@ from graphshard.passes.cost_model import (
     node_time,
 )
 from graphshard.passes.simulate import Timeline, simulate
-from graphshard.timeline import render_png, write_trace
 
 __all__ = [
     "bucket_rows", "bucket_table", "collectives_by_group", "step_summary", "write_schedule",

@@ -15,8 +15,8 @@ copied back to the device after ``reduce_grad`` brought it to the host, and auto
 would refuse the device gradient for the host parameter. (FSDP2 builds its parameters on
 the accelerator mesh, but never differentiates through ``to_local``.)
 
-Eagerly the marker kernels (``graphshard.ops``) make the copies; compiled, the lowering
-passes insert them as graph nodes and ``prefetch`` issues each bucket's host-to-device
+Eagerly the marker kernels (``graphshard.api.eager_kernels``) make the copies; compiled, the
+lowering passes insert them as graph nodes and ``prefetch`` issues each bucket's host-to-device
 copies together with its all-gather.
 """
 

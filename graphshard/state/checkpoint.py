@@ -48,13 +48,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from graphshard.api.sharding import shard_state
 from graphshard.errors import (
     CheckpointMismatchError,
     GraphshardFileNotFoundError,
     GraphshardRuntimeError,
     GraphshardValueError,
 )
-from graphshard.sharding import ShardState, shard_state
+from graphshard.records import ShardState
 
 __all__ = [
     "save_checkpoint",

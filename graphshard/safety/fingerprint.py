@@ -80,7 +80,7 @@ _STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward",
 
 
 def shard_fingerprint(state: Any) -> dict[str, str]:
-    """What every rank's :class:`graphshard.sharding.ShardState` must agree on."""
+    """What every rank's :class:`graphshard.api.sharding.ShardState` must agree on."""
     fp = {
         "world size": str(state.world_size),
         "reshard_after_forward": str(state.reshard_after_forward),

@@ -6,7 +6,7 @@ first tensor it cannot copy (with an error that names no key), leaving the model
 loaded. :func:`load_full_checkpoint` reads on rank 0 only, checks every key and shape against
 the model on every rank, raises :class:`~graphshard.CheckpointMismatchError` naming them
 all when anything differs (nothing written), and only then calls torch's function. Other
-readers (Hugging Face safetensors, :mod:`graphshard.hf`) plug in through
+readers (Hugging Face safetensors, :mod:`graphshard.state.hf`) plug in through
 :func:`broadcast_full_state`.
 
 Memory: rank 0 holds the full state dict (``torch.load(mmap=True)`` maps it from the file);
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphshard.checkpoint import CheckpointMismatchError, check_keys_and_shapes, root_module
 from graphshard.errors import GraphshardFileNotFoundError
+from graphshard.state.checkpoint import CheckpointMismatchError, check_keys_and_shapes, root_module
 
 __all__ = ["load_full_checkpoint", "broadcast_full_state", "plan_keys", "tied_names", "agree"]
 

@@ -22,7 +22,6 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,83 +31,33 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from graphshard import guards, ops, random_init  # noqa: F401  (registers the eager kernels)
+from graphshard.api import eager_kernels, random_init  # noqa: F401  (registers the eager kernels)
+from graphshard.api.mixed_precision import MixedPrecision, install_casts
+from graphshard.api.offload import CPUOffload, resolve_offload
+from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
     GraphshardRuntimeError,
     GraphshardTypeError,
     GraphshardValueError,
 )
-from graphshard.mixed_precision import MixedPrecision, install_casts
-from graphshard.offload import CPUOffload, resolve_offload
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
-from graphshard.tensor_parallel import TPLayout, refuse_tp_after_shard, tp_mesh_of, tp_parameter
+from graphshard.records import STATE_ATTR, ShardedParam, ShardState
+from graphshard.safety import guards
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
     "placements", "sharded_parameter",
 ]
 
-_STATE_ATTR = "_graphshard_state"
 random_init.install()  # nn.init on CPU DTensors: the same values at any world size
-
-
-@dataclass
-class ShardedParam:
-    """What one sharded parameter is: its names, full shape, bucket and the Parameter."""
-
-    names: list[str]
-    full_shape: torch.Size  # what the dp gather rebuilds: under TP, this rank's TP piece
-    bucket: int
-    pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
-    param: nn.Parameter  # a DTensor: the full shape, this rank's rows as local tensor
-    # Leaves that collect gradients held back by no_sync: the full gradient (GradSync.NONE)
-    # or the reduce-scattered padded piece (GradSync.PARTIAL). Their ``.grad`` is pending.
-    unreduced: torch.Tensor | None = None
-    partial: torch.Tensor | None = None
-    # (full, partial) held-back gradients the next read folds in: armed before each forward
-    # (graphshard.grad_sync), taken by the first read of the forward (so a parameter read in
-    # two graphs or twice eagerly adds them once); ``folding`` until its backward has run.
-    armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-    folding: bool = False
-    tp: TPLayout | None = None  # under tensor parallelism: how to re-wrap the gathered piece
-
-
-@dataclass
-class ShardState:
-    """Per-root record of a sharding: the group and every sharded parameter."""
-
-    group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
-    world_size: int  # ranks in the shard group
-    rank: int  # this rank's index in the shard group
-    reshard_after_forward: bool
-    mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
-    params: list[ShardedParam] = field(default_factory=list)
-    bucket_names: list[str] = field(default_factory=list)
-    replica_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced over it
-    replica_size: int = 1
-    mixed_precision: MixedPrecision | None = None
-    sync: int = GradSync.FULL  # where this micro-batch's gradients go (see GradSync)
-    folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
-    forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
-    offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
-    compute_device: str = ""  # with offload: the device type shards are gathered on
-
-    @property
-    def group_name(self) -> str:
-        """The name the functional collectives use for ``group``."""
-        return self.group.group_name
-
-    def layout(self, entry: ShardedParam) -> Dim0Layout:
-        """How ``entry``'s parameter is split across the shard group."""
-        return Dim0Layout(entry.full_shape, self.world_size)
 
 
 def shard_state(module: nn.Module) -> ShardState:
     """The sharding record of a module passed to :func:`shard` (unwraps ``torch.compile``)."""
     module = getattr(module, "_orig_mod", module)
-    state = getattr(module, _STATE_ATTR, None)
+    state = getattr(module, STATE_ATTR, None)
     if state is None:
         raise GraphshardValueError(
             f"{type(module).__name__} is not sharded: call graphshard.shard(module) first."
@@ -118,7 +67,7 @@ def shard_state(module: nn.Module) -> ShardState:
 
 def is_sharded(module: nn.Module) -> bool:
     """True when ``module`` (or the module it wraps) was passed to :func:`shard`."""
-    return hasattr(getattr(module, "_orig_mod", module), _STATE_ATTR)
+    return hasattr(getattr(module, "_orig_mod", module), STATE_ATTR)
 
 
 def _resolve_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
@@ -350,7 +299,7 @@ def shard(
             model made tensor parallel first (``parallelize_module`` on ``mesh["tp"]``),
             the data-parallel sub-mesh of the same mesh: ``mesh["dp"]``, or
             ``mesh["replicate", "shard"]`` for HSDP x TP; each TP piece is then sharded
-            across it (:mod:`graphshard.tensor_parallel`).
+            across it (:mod:`graphshard.api.tensor_parallel`).
         buckets: None for one bucket per block of the model's main ModuleList/Sequential plus
             one for the rest; or a list of module groups (a module or a list of modules, which
             need not be neighbours), each gathered as one bucket; what no group holds goes to
@@ -388,7 +337,7 @@ def shard(
             f"{type(mixed_precision).__name__}"
         )
     policy = mixed_precision or MixedPrecision()
-    originals = guards.collect_originals(module)  # marked once replaced (graphshard.guards)
+    originals = guards.collect_originals(module)  # marked once replaced (graphshard.safety.guards)
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -398,7 +347,8 @@ def shard(
             mesh = DeviceMesh.from_group(group, device.type)
     compute_device, host = resolve_offload(mesh, offload)  # "", None without offload
     state = ShardState(
-        group, world_size, rank, reshard_after_forward, mesh, bucket_names=bucket_names,
+        group, world_size, rank, reshard_after_forward, mesh, GradSync.FULL,
+        bucket_names=bucket_names,
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
         offload=offload, compute_device=compute_device,
     )  # fmt: skip
@@ -457,7 +407,7 @@ def shard(
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     _track_forwards(module, state)
-    setattr(module, _STATE_ATTR, state)
+    setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
     return module

@@ -53,7 +53,7 @@ def _plan_options(args: argparse.Namespace) -> dict:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """Trace MODULE:FACTORY offline and write graphs, bucket tables and timelines."""
-    from graphshard.offline import load_factory, mesh_shape, trace_offline
+    from graphshard.tools.offline import load_factory, mesh_shape, trace_offline
 
     dp, tp = mesh_shape(args.world_size, args.tp)
     sys.path.insert(0, str(Path.cwd()))
@@ -76,8 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from graphshard.offline import mesh_shape
-    from graphshard.whatif import (
+    from graphshard.tools.offline import mesh_shape
+    from graphshard.tools.whatif import (
         format_table,
         plan_many,
         resolve_factory,
@@ -108,8 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine and save it as a hardware profile."""
-    from graphshard.calibrate import measure_profile
     from graphshard.passes.cost_model import save_profile
+    from graphshard.tools.calibrate import measure_profile
 
     profile = measure_profile(args.world_size, name=args.name, big_bytes=args.bytes)
     path = save_profile(profile)

@@ -22,9 +22,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from graphshard.api.sharding import shard_state
 from graphshard.errors import GraphshardRuntimeError
+from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import GradSync
-from graphshard.sharding import ShardedParam, ShardState, shard_state
+from graphshard.records import ShardedParam, ShardState
 
 __all__ = ["no_sync", "set_requires_gradient_sync", "set_requires_all_reduce"]
 
@@ -78,7 +80,8 @@ def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
         if mode == GradSync.NONE and not _usable(entry.unreduced, device, dtype, entry):
             entry.unreduced = _stub_leaf(entry.full_shape, dtype, device)
         if mode == GradSync.PARTIAL and not _usable(entry.partial, device, dtype, entry):
-            entry.partial = _stub_leaf(state.layout(entry).piece_shape, dtype, device)
+            piece = Dim0Layout(entry.full_shape, state.world_size).piece_shape
+            entry.partial = _stub_leaf(piece, dtype, device)
     state.sync = mode
 
 

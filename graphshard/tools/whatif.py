@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
+from graphshard.analysis.report import collectives_by_group, step_summary
 from graphshard.errors import GraphshardValueError
-from graphshard.offline import Factory, trace_step_offline
 from graphshard.passes.cost_model import get_profile
 from graphshard.passes.markers import is_unshard, marker_args
 from graphshard.passes.simulate import gathered_nodes, simulate
-from graphshard.report import collectives_by_group, step_summary
+from graphshard.tools.offline import Factory, trace_step_offline
 
 __all__ = [
     "WhatIf",
@@ -121,7 +121,7 @@ def resolve_factory(model: str, batch_size: int, seq_len: int, tp: int = 1) -> F
         import sys
         from pathlib import Path
 
-        from graphshard.offline import load_factory
+        from graphshard.tools.offline import load_factory
 
         sys.path.insert(0, str(Path.cwd()))
         return load_factory(model)

@@ -26,9 +26,9 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 
-from graphshard.compiler import GraphshardBackend
+from graphshard.api.sharding import shard, shard_state
+from graphshard.compiler.backend import GraphshardBackend
 from graphshard.errors import GraphshardRuntimeError, GraphshardTypeError, GraphshardValueError
-from graphshard.sharding import shard, shard_state
 
 __all__ = [
     "fake_process_group",

@@ -1,0 +1,2 @@
+"""Analysis of compiled graphs: per-bucket and per-step reports, simulated timelines.
+"""

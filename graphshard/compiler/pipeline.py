@@ -1,0 +1,79 @@
+"""The pass pipeline: which graph passes run at which stage of a compile, in what order.
+
+Stages and their passes (each dumped before and after when a dump directory is set):
+- ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
+- ``joint``: ``fold_views`` (markers read parameters and return gradients directly, not
+  through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
+  reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
+  ``assign_buckets`` (the ``size``/``auto`` strategies),
+  ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
+- ``fw``: ``lower_unshard``, ``prefetch``;
+- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
+- ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
+  ``overlap_reduce``.
+Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import fx
+
+from graphshard.compiler.dump import GraphDumper
+from graphshard.passes import (
+    Plan,
+    assign_buckets,
+    dedupe_unshard,
+    fold_views,
+    lower_reduce_grad,
+    lower_unshard,
+    merge_reduce_grad,
+    overlap_reduce,
+    prefetch,
+    reshard,
+)
+from graphshard.passes.cost_model import collective_group, collective_kind
+from graphshard.passes.runner import PassRunner
+
+__all__ = ["PIPELINE", "Pass", "run_passes", "record_group_sizes"]
+
+Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+
+PIPELINE: dict[str, list[Pass]] = {
+    "dynamo": [dedupe_unshard],
+    "joint": [fold_views, merge_reduce_grad, assign_buckets, reshard],
+    "fw": [lower_unshard, prefetch],
+    "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
+    "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
+}
+
+def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
+               seconds: dict[str, float] | None = None) -> fx.GraphModule:
+    """Run the passes of ``stage`` through the :class:`PassRunner` (lint, recompile and
+    invariants after each), dumping the graph before and after each; each pass's wall time
+    is added to ``seconds``."""
+    runner = PassRunner(after_each=lambda step, name, g: dumper.write(stage, step, name, g),
+                        seconds={} if seconds is None else seconds)
+    return runner.run(stage, PIPELINE[stage], gm, plan)
+
+
+def record_group_sizes(gm: fx.GraphModule) -> None:
+    """Write ``node.meta["group_size"]`` on every all-reduce and all-to-all of ``gm`` whose
+    arguments only name their group (DTensor's tensor-parallel collectives), so that the
+    cost model, which never sees a process group, can price them. Groups this process does
+    not know are left alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for node in gm.graph.nodes:
+        if collective_kind(node) not in ("all_reduce", "all_to_all"):
+            continue
+        name, size = collective_group(node)
+        if size is None:
+            try:
+                node.meta["group_size"] = _resolve_process_group(name).size()
+            except (ValueError, RuntimeError, KeyError):
+                pass

@@ -1,0 +1,73 @@
+"""Shared record types: what a sharding is, per parameter and per model.
+
+A leaf module: it imports nothing else of graphshard (type names only under
+``TYPE_CHECKING``), so every room of the package (api, compiler, state, safety, tools) can
+read a sharded model's record without importing the code that built it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from graphshard.api.mixed_precision import MixedPrecision
+    from graphshard.api.offload import CPUOffload
+    from graphshard.api.tensor_parallel import TPLayout
+
+__all__ = ["STATE_ATTR", "ShardedParam", "ShardState"]
+
+STATE_ATTR = "_graphshard_state"  # the attribute of a sharded root that holds its ShardState
+
+
+@dataclass
+class ShardedParam:
+    """What one sharded parameter is: its names, full shape, bucket and the Parameter."""
+
+    names: list[str]
+    full_shape: torch.Size  # what the dp gather rebuilds: under TP, this rank's TP piece
+    bucket: int
+    pinned: bool  # chosen by the user's ``buckets=[...]``: strategies keep it
+    param: nn.Parameter  # a DTensor: the full shape, this rank's rows as local tensor
+    # Leaves that collect gradients held back by no_sync: the full gradient (GradSync.NONE)
+    # or the reduce-scattered padded piece (GradSync.PARTIAL). Their ``.grad`` is pending.
+    unreduced: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
+    # (full, partial) held-back gradients the next read folds in: armed before each forward
+    # (graphshard.api.grad_sync), taken by the first read of the forward (so a parameter read in
+    # two graphs or twice eagerly adds them once); ``folding`` until its backward has run.
+    armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+    folding: bool = False
+    tp: TPLayout | None = None  # under tensor parallelism: how to re-wrap the gathered piece
+
+
+@dataclass
+class ShardState:
+    """Per-root record of a sharding: the group and every sharded parameter."""
+
+    group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
+    world_size: int  # ranks in the shard group
+    rank: int  # this rank's index in the shard group
+    reshard_after_forward: bool
+    mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
+    sync: int  # where this micro-batch's gradients go (a GradSync value)
+    params: list[ShardedParam] = field(default_factory=list)
+    bucket_names: list[str] = field(default_factory=list)
+    replica_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced over it
+    replica_size: int = 1
+    mixed_precision: MixedPrecision | None = None
+    folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
+    forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
+    offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
+    compute_device: str = ""  # with offload: the device type shards are gathered on
+
+    @property
+    def group_name(self) -> str:
+        """The name the functional collectives use for ``group``."""
+        return self.group.group_name

@@ -1,0 +1,3 @@
+"""Safety nets: guards against misuse of a sharded model, cross-rank fingerprints of the
+plan, and rank-failure reports.
+"""

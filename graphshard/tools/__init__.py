@@ -1,0 +1,3 @@
+"""Command-line tools: ``graphshard dump/plan/calibrate``, offline tracing on a fake process
+group, the what-if planner and hardware calibration.
+"""
