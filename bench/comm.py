@@ -84,9 +84,8 @@ def graphshard_summary(system: System, device: torch.device) -> dict:
 
     A failure is returned as ``{"error": ...}``: the profiled counts then stand in.
     """
-    from graphshard.passes.cost_model import get_profile
-
     from graphshard.analysis.report import step_summary
+    from graphshard.passes.cost_model import get_profile
 
     profile = "h100-nvlink" if device.type == "cuda" else "cpu-gloo"
     try:

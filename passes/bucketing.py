@@ -17,10 +17,11 @@ from __future__ import annotations
 import itertools
 import math
 
+from torch import fx
+
 from graphshard.passes.cost_model import all_gather_time, node_time, reduce_scatter_time
 from graphshard.passes.markers import is_reduce_grad, is_unshard, marker_args
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["assign_buckets", "pack_by_size", "auto_boundaries"]
 

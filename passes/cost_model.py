@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
-from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
 from torch import fx
+
+from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
 
 __all__ = [
     "HardwareProfile",

@@ -8,10 +8,11 @@ so the gradient is summed locally before it is communicated.
 
 from __future__ import annotations
 
+from torch import fx
+
 from graphshard.passes.fx_util import replace_and_erase
 from graphshard.passes.markers import is_unshard, marker_args
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["dedupe_unshard"]
 

@@ -13,9 +13,10 @@ expect: marker inputs are parameters, marker outputs are gradients.
 from __future__ import annotations
 
 import torch
+from torch import fx
+
 from graphshard.passes.markers import is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["fold_views", "is_noop_view"]
 

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from graphshard.passes.errors import GraphLoweringError
 from torch import fx
 from torch._guards import detect_fake_mode
+
+from graphshard.passes.errors import GraphLoweringError
 
 __all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
 
@@ -86,8 +87,13 @@ def collectives(graph: fx.Graph, kind: str) -> list[fx.Node]:
 
 def wait_of(collective: fx.Node) -> fx.Node:
     """The ``wait_tensor`` that completes ``collective``."""
-    (wait,) = [u for u in collective.users if u.target is c10d.wait_tensor.default]
-    return wait
+    waits = [u for u in collective.users if u.target is c10d.wait_tensor.default]
+    if len(waits) != 1:
+        raise GraphLoweringError(
+            f"collective {collective.name} has {len(waits)} wait_tensor users, expected one: "
+            "a pass copied or dropped a wait"
+        )
+    return waits[0]
 
 
 def ancestors_after(node: fx.Node, position: dict[fx.Node, int], start: int) -> list[fx.Node]:

@@ -19,12 +19,13 @@ of the host copy. It depends on the wait, so ``overlap_reduce`` moves it with th
 from __future__ import annotations
 
 import torch
+from torch import fx
+
 from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major
 from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
-from torch import fx
 
 __all__ = ["lower_reduce_grad"]
 

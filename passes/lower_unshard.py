@@ -15,11 +15,12 @@ gathered. The copies are inputs of the gather, so ``prefetch`` moves them with i
 from __future__ import annotations
 
 import torch
+from torch import fx
+
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from graphshard.passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
 from graphshard.passes.markers import is_unshard, marker_args
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
-from torch import fx
 
 __all__ = ["lower_unshard"]
 

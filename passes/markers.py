@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import fx
+
 from graphshard.passes.errors import GraphshardValueError
 from graphshard.passes.layout import Dim0Layout
-from torch import fx
 
 __all__ = [
     "UNSHARD",

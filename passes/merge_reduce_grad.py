@@ -17,10 +17,11 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import fx
+
 from graphshard.passes.fx_util import NodeMaker
 from graphshard.passes.markers import REDUCE_GRAD, is_reduce_grad, marker_args
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["merge_reduce_grad"]
 

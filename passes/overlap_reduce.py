@@ -11,9 +11,10 @@ is waited); its wait is delayed one bucket further, so it too runs under compute
 
 from __future__ import annotations
 
+from torch import fx
+
 from graphshard.passes.fx_util import collectives, descendants, move_before, wait_of
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["overlap_reduce"]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import fx
+
 from graphshard.passes.cost_model import HardwareProfile, get_profile
 from graphshard.passes.errors import GraphshardValueError
 from graphshard.passes.markers import marker_args
-from torch import fx
 
 __all__ = ["Plan", "Bucket", "collect_buckets"]
 

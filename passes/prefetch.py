@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import warnings
 
+from torch import fx
+
 from graphshard.passes.fx_util import (
     ancestors_after,
     collectives,
@@ -20,7 +22,6 @@ from graphshard.passes.fx_util import (
     wait_of,
 )
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["prefetch", "gathered_bytes"]
 

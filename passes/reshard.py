@@ -15,10 +15,11 @@ region's, so they are recomputed (gathered again) like any other.
 
 from __future__ import annotations
 
-from graphshard.passes.markers import is_unshard, marker_args
-from graphshard.passes.plan import Plan
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
+
+from graphshard.passes.markers import is_unshard, marker_args
+from graphshard.passes.plan import Plan
 
 __all__ = ["reshard"]
 

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
+
 from graphshard.passes.errors import GraphshardError
 from graphshard.passes.markers import is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
-from torch import fx
 
 __all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
+
 from graphshard.passes.cost_model import (
     HardwareProfile,
     collective_kind,
@@ -19,7 +21,6 @@ from graphshard.passes.cost_model import (
     node_time,
     tensor_bytes,
 )
-from torch import fx
 
 __all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes", "gathered_nodes"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_utils import c10d, calls, fake_process_group
-from graphshard.passes.bucketing import auto_boundaries, pack_by_size
-from graphshard.passes.markers import is_unshard, marker_args
 
 import graphshard
 from graphshard.models.llama import Llama, llama_config
+from graphshard.passes.bucketing import auto_boundaries, pack_by_size
+from graphshard.passes.markers import is_unshard, marker_args
 
 
 def test_pack_by_size():

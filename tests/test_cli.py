@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from graphshard.passes.cost_model import get_profile
 
+from graphshard.passes.cost_model import get_profile
 from graphshard.tools.cli import main
 from graphshard.tools.offline import load_factory
 

@@ -6,6 +6,9 @@ import json
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graphshard
 from graphshard.passes.cost_model import (
     PROFILES,
     HardwareProfile,
@@ -19,9 +22,6 @@ from graphshard.passes.cost_model import (
     tensor_bytes,
 )
 from graphshard.passes.errors import UnpricedSizeError
-from torch.fx.experimental.proxy_tensor import make_fx
-
-import graphshard
 
 aten = torch.ops.aten
 

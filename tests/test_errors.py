@@ -207,3 +207,26 @@ def test_library_suppresses_no_exception():
         if re.search(r"suppress\(\s*(Base)?Exception\s*\)", text)
     ]
     assert problems == []
+
+
+def test_a_collective_with_two_waits_names_the_node():
+    """``wait_of`` on a graph a pass broke (two waits on one gather) raises a
+    GraphLoweringError naming the collective, not a bare unpacking ValueError."""
+    from torch import fx
+
+    from graphshard.passes.errors import GraphLoweringError
+    from graphshard.passes.fx_util import wait_of
+
+    c10d = torch.ops._c10d_functional
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    gather = graph.call_function(c10d.all_gather_into_tensor.default, (shard, 2, "0"))
+    first = graph.call_function(c10d.wait_tensor.default, (gather,))
+    second = graph.call_function(c10d.wait_tensor.default, (gather,))
+    graph.output((first, second))
+    with pytest.raises(GraphLoweringError, match=f"{gather.name} has 2 wait_tensor"):
+        wait_of(gather)
+    graph.erase_node(list(graph.nodes)[-1])  # the output
+    graph.erase_node(second)
+    graph.output(first)
+    assert wait_of(gather) is first

@@ -17,8 +17,6 @@ import torch
 from ckpt_utils import batch, build, launch, results
 from dist_utils import full_state
 from graph_utils import fake_process_group
-from graphshard.passes import Plan
-from graphshard.passes.markers import UNSHARD
 from torch import fx, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -26,6 +24,8 @@ from torch.distributed.tensor import DTensor
 import graphshard
 from graphshard.api.sharding import shard_state
 from graphshard.models.mlp import OddMLP
+from graphshard.passes import Plan
+from graphshard.passes.markers import UNSHARD
 from graphshard.safety.fingerprint import describe_differences, graph_fingerprint, shard_fingerprint
 from graphshard.state.checkpoint import COMMIT_MARKER, latest_checkpoint
 

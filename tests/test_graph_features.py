@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_utils import TwoBlock, c10d, calls, fake_process_group
-from graphshard.passes.layout import Dim0Layout
 from torch import nn
 
 import graphshard
+from graphshard.passes.layout import Dim0Layout
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 

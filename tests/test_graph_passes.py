@@ -18,10 +18,10 @@ from graph_utils import (
     saved_for_backward,
     schedule_string,
 )
-from graphshard.passes.layout import Dim0Layout
 from torch import nn
 
 import graphshard
+from graphshard.passes.layout import Dim0Layout
 
 
 def compile_and_step(model: nn.Module, **backend_options) -> dict:

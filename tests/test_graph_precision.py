@@ -207,9 +207,10 @@ def test_no_sync_after_a_dtype_change_uses_fresh_accumulators():
 def test_merged_reads_keep_the_held_back_gradient_of_any_read():
     """Only one read of a parameter carries what no_sync held back; merging the reads' two
     reductions must keep it whichever read it was."""
+    from torch import fx
+
     from graphshard.passes import Plan, merge_reduce_grad
     from graphshard.passes.markers import REDUCE_GRAD, is_reduce_grad, marker_args
-    from torch import fx
 
     graph = fx.Graph()
     first, second, held = (graph.placeholder(n) for n in ("grad_a", "grad_b", "held"))

@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from graph_utils import fake_process_group
-from graphshard.passes import Plan, lower_reduce_grad, lower_unshard
-from graphshard.passes.layout import Dim0Layout
-from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphshard
+from graphshard.passes import Plan, lower_reduce_grad, lower_unshard
+from graphshard.passes.layout import Dim0Layout
+from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 
 ACCEL = offload_graphs.ACCEL
 COMPUTE = {"aten.mm.default", "aten.addmm.default"}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_utils import BlockStack, c10d, calls, fake_process_group
-from graphshard.passes import Plan, lower_unshard
-from graphshard.passes.markers import is_unshard
-from graphshard.passes.runner import PassInvariantError, PassRunner
 from torch import fx
 
 import graphshard
+from graphshard.passes import Plan, lower_unshard
+from graphshard.passes.markers import is_unshard
+from graphshard.passes.runner import PassInvariantError, PassRunner
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from graphshard.passes.cost_model import all_reduce_time, collective_bytes_per_rank, get_profile
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from graphshard.models.llama import Llama, llama_config, tensor_parallel_plan
+from graphshard.passes.cost_model import all_reduce_time, collective_bytes_per_rank, get_profile
 from graphshard.tools.cli import main
 
 c10d = torch.ops._c10d_functional

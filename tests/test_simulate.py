@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
 from graphshard.passes.cost_model import (
     HardwareProfile,
     all_gather_time,
@@ -12,8 +15,6 @@ from graphshard.passes.cost_model import (
     node_time,
 )
 from graphshard.passes.simulate import simulate
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 c10d = torch.ops._c10d_functional
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from graphshard.passes.simulate import Event, Timeline
-
 from graphshard.analysis.timeline import event_label, render_png, to_chrome_trace, write_trace
+from graphshard.passes.simulate import Event, Timeline
 
 
 def _timeline() -> Timeline:

@@ -14,8 +14,6 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from graph_utils import c10d, calls, derived_from, fake_process_group
-from graphshard.passes.cost_model import all_gather_time
-from graphshard.passes.layout import Dim0Layout
 from parity import assert_matches
 from parity_features import (
     CASES,
@@ -34,6 +32,8 @@ from torch import fx
 
 import graphshard
 from graphshard.compiler.graph_breaks import GraphBreakWarning
+from graphshard.passes.cost_model import all_gather_time
+from graphshard.passes.layout import Dim0Layout
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 MODES = ("eager", "compiled")
