@@ -171,7 +171,7 @@ def kernels() -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from graphshard import ops
+    from graphshard.api import eager_kernels as ops
     from graphshard.tools.offline import fake_process_group
 
     register_fake_accelerator()
