@@ -13,6 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_utils import c10d, calls, fake_process_group, schedule_string
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import CheckpointPolicy
+
 from graphshard.passes import (
     Plan,
     assign_buckets,
@@ -36,9 +40,6 @@ from graphshard.passes.markers import (
     marker_args,
 )
 from graphshard.passes.runner import PassRunner
-from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.checkpoint import CheckpointPolicy
 
 aten = torch.ops.aten
 prims = torch.ops.prims
