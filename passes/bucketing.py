@@ -98,7 +98,10 @@ def auto_boundaries(
                 continue
             options = []
             for p in range(max(0, s - max_len), s):
-                if (p, s - 1) not in best or not fits((p, s - 1), (s, e)):
+                # Two neighbours must fit the cap together, except two single parameters:
+                # the finest split is always possible (prefetch then waits, and warns).
+                finest = p == s - 1 and s == e
+                if (p, s - 1) not in best or not (fits((p, s - 1), (s, e)) or finest):
                     continue
                 prev_bytes, prev_compute = span(p, s - 1)
                 _, cur_compute = span(s, e)
@@ -128,9 +131,15 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if plan.bucketing == "block":
         return gm
     unshards = [n for n in gm.graph.nodes if is_unshard(n)]
-    free = [n for n in unshards if not marker_args(n).pinned]
-    if not free:
+    reads = [n for n in unshards if not marker_args(n).pinned]
+    if not reads:
         return gm
+    # One entry per parameter, at its first read: a parameter read twice (inside and outside
+    # an activation checkpoint keeps two markers here) is packed and gathered once.
+    first_reads: dict[str, fx.Node] = {}
+    for node in reads:
+        first_reads.setdefault(marker_args(node).name, node)
+    free = list(first_reads.values())
     sizes = [_param_bytes(n) for n in free]
     if plan.bucketing == "size":
         indices = pack_by_size(sizes, plan.bucket_bytes)
@@ -145,10 +154,10 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             plan.max_unsharded_bytes,
         )
     base = 1 + max((marker_args(n).bucket for n in unshards if marker_args(n).pinned), default=-1)
-    bucket_of_name = {}
-    for node, index in zip(free, indices, strict=True):
-        node.update_arg(2, base + index)
-        bucket_of_name[marker_args(node).name] = base + index
+    bucket_of_name = {marker_args(node).name: base + index
+                      for node, index in zip(free, indices, strict=True)}
+    for node in reads:
+        node.update_arg(2, bucket_of_name[marker_args(node).name])
     for node in gm.graph.nodes:
         if is_reduce_grad(node) and marker_args(node).name in bucket_of_name:
             node.update_arg(1, bucket_of_name[marker_args(node).name])

@@ -776,3 +776,27 @@ def test_a_graph_without_markers_or_collectives_is_left_unchanged(group, stage, 
     before = str(_plain(group).graph)
     gm = run(stage, fn, _plain(group), bucketing="size", prefetch_depth=2)
     assert str(gm.graph) == before
+
+
+def test_auto_bucketing_under_a_cap_no_two_parameters_meet(group):
+    """A cap below every pair of neighbouring parameters: no crash, the finest split."""
+    gm = run("joint", assign_buckets, _joint_params(group), bucketing="auto",
+             max_unsharded_bytes=100)
+    assert buckets(gm, UNSHARD) == {"a": 0, "b": 1, "c": 2, "d": 3}
+
+
+def test_size_bucketing_keeps_every_read_of_a_parameter_in_one_bucket(group):
+    """A parameter read twice (inside and outside a checkpoint it keeps two markers on the
+    joint graph) is packed once, at its first read: both reads and its gradient share that
+    bucket, so it is gathered once."""
+    b = Builder(group)
+    a, c = b.input("a", 3, 8), b.input("c", 4, 8)
+    ga, gc = b.input("grad_a", 5, 8), b.input("grad_c", 8, 8)
+    reads = [b.unshard(a, [5, 8], 0, "a"), b.unshard(c, [8, 8], 0, "c"),
+             b.unshard(a, [5, 8], 0, "a")]
+    grads = [b.reduce_grad(ga, 0, "a", 3), b.reduce_grad(gc, 0, "c", 4)]
+    gm = run("joint", assign_buckets, b.module(*reads, *grads), bucketing="size",
+             bucket_bytes=300)
+    assert [(marker_args(n).name, marker_args(n).bucket) for n in calls(gm, UNSHARD)] == [
+        ("a", 0), ("c", 1), ("a", 0)]
+    assert buckets(gm, REDUCE_GRAD) == {"a": 0, "c": 1}
