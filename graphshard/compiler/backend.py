@@ -21,6 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard.analysis.report import write_schedule
 from graphshard.api import eager_kernels  # noqa: F401  (registers the eager kernels)
+from graphshard.compiler.cache_key import meshes_pickle_without_hash
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_sizes, run_passes
@@ -38,7 +39,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
     from torch._inductor.compile_fx import compile_fx_inner
 
     # Inductor's peak-memory reordering would undo the collective schedule the passes chose.
-    with config.patch(reorder_for_peak_memory=False):
+    # Meshes among the inputs must not carry a per-process hash into the FX-cache key.
+    with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash():
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
