@@ -34,11 +34,13 @@ def _param_bytes(node: fx.Node) -> int:
     return math.prod(args.full_shape) * node.meta["val"].element_size()
 
 
-def pack_by_size(sizes: list[int], cap: int) -> list[int]:
-    """Bucket index per item: consecutive items packed while the bucket stays within ``cap``."""
+def pack_by_size(sizes: list[int], cap: int, kinds: list | None = None) -> list[int]:
+    """Bucket index per item: consecutive items packed while the bucket stays within ``cap``
+    and holds one kind (dtype) only."""
+    kinds = kinds or [None] * len(sizes)
     index, used, out = 0, 0, []
-    for size in sizes:
-        if used and used + size > cap:
+    for i, size in enumerate(sizes):
+        if used and (used + size > cap or kinds[i] != kinds[i - 1]):
             index, used = index + 1, 0
         used += size
         out.append(index)
@@ -72,12 +74,18 @@ def auto_boundaries(
     reduce_time,
     cap: int | None = None,
     max_len: int = MAX_BUCKET_PARAMS,
+    kinds: list | None = None,
 ) -> list[int]:
     """Bucket index per item minimising predicted exposed communication (see module doc).
 
-    ``gather_time(bytes)`` and ``reduce_time(bytes)`` price one bucket's collectives.
+    ``gather_time(bytes)`` and ``reduce_time(bytes)`` price one bucket's collectives. A
+    bucket holds items of one kind (dtype) only.
     """
     n = len(sizes)
+    kinds = kinds or [None] * n
+    run_start = [0] * n  # where the run of equal kinds that holds item i starts
+    for i in range(1, n):
+        run_start[i] = run_start[i - 1] if kinds[i] == kinds[i - 1] else i
     size_sum = [0, *itertools.accumulate(sizes)]
     comp_sum = [0.0, *itertools.accumulate(compute)]
 
@@ -91,7 +99,7 @@ def auto_boundaries(
     for e in range(n):
         for s in range(max(0, e - max_len + 1), e + 1):
             nbytes, _ = span(s, e)
-            if not fits((s, e)) and s != e:
+            if run_start[e] > s or (not fits((s, e)) and s != e):
                 continue
             if s == 0:  # exposed: its forward gather, and its reduce-scatter ending backward
                 best[(s, e)] = (gather_time(nbytes) + reduce_time(nbytes) + BUCKET_PENALTY, None)
@@ -141,8 +149,10 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         first_reads.setdefault(marker_args(node).name, node)
     free = list(first_reads.values())
     sizes = [_param_bytes(n) for n in free]
+    # One dtype per bucket (its shards share one flat buffer): the shard's and the gathered.
+    kinds = [(n.args[0].meta["val"].dtype, n.meta["val"].dtype) for n in free]
     if plan.bucketing == "size":
-        indices = pack_by_size(sizes, plan.bucket_bytes)
+        indices = pack_by_size(sizes, plan.bucket_bytes, kinds)
     else:
         profile = plan.profile
         world = marker_args(free[0]).world_size
@@ -152,6 +162,7 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             lambda b: all_gather_time(b, world, profile),
             lambda b: reduce_scatter_time(b, world, profile),
             plan.max_unsharded_bytes,
+            kinds=kinds,
         )
     base = 1 + max((marker_args(n).bucket for n in unshards if marker_args(n).pinned), default=-1)
     bucket_of_name = {marker_args(node).name: base + index

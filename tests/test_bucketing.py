@@ -94,3 +94,37 @@ def test_user_groups_survive_every_strategy(world2):
     pinned = ("tok_embeddings.weight", "norm.weight")
     others = {b for name, b in buckets.items() if name not in pinned}
     assert 0 not in others and len(others) > 1
+
+
+class _MixedDtypes(torch.nn.Module):
+    """A bf16 projection and an fp32 norm in one module: one bucket by module, two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 6, dtype=torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.norm(self.proj(x.bfloat16()).float())
+
+
+def test_a_bucket_holds_one_dtype_and_each_parameter_keeps_its_own(world2):
+    """Before, the bf16 weight and the fp32 norm shared a bucket, whose flat buffer promoted
+    the weight to fp32 and the forward failed on a dtype mismatch. shard() splits a group by
+    dtype; the lowered forward gathers each dtype on its own, in its own dtype."""
+    model = graphshard.shard(_MixedDtypes())
+    state = graphshard.api.sharding.shard_state(model)
+    assert state.bucket_names == ["<rest>[bfloat16]", "<rest>[float32]"]
+    assert {p.names[0]: p.bucket for p in state.params} == {
+        "proj.weight": 0, "proj.bias": 0, "norm.weight": 1, "norm.bias": 1}
+    backend = graphshard.backend(inductor=False)
+    out = torch.compile(model, backend=backend)(torch.randn(3, 8))
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    (stages,) = backend.graphs
+    gathers = calls(stages["fw"], c10d.all_gather_into_tensor.default)
+    assert sorted(str(g.meta["val"].dtype) for g in gathers) == ["torch.bfloat16",
+                                                                 "torch.float32"]
+    grads = {n: p.grad.dtype for n, p in model.named_parameters()}
+    assert grads == {"proj.weight": torch.bfloat16, "proj.bias": torch.bfloat16,
+                     "norm.weight": torch.float32, "norm.bias": torch.float32}

@@ -800,3 +800,21 @@ def test_size_bucketing_keeps_every_read_of_a_parameter_in_one_bucket(group):
     assert [(marker_args(n).name, marker_args(n).bucket) for n in calls(gm, UNSHARD)] == [
         ("a", 0), ("c", 1), ("a", 0)]
     assert buckets(gm, REDUCE_GRAD) == {"a": 0, "c": 1}
+
+
+def _mixed_dtype_params(group: str) -> fx.GraphModule:
+    """Parameters a (fp32), b (bf16), c (bf16), d (fp32), all small, all in bucket 0."""
+    b = Builder(group)
+    dtypes = {"a": torch.float32, "b": torch.bfloat16, "c": torch.bfloat16, "d": torch.float32}
+    shards = {n: b.input(n, 2, 4, dtype=d) for n, d in dtypes.items()}
+    return b.module(*[b.unshard(shards[n], [4, 4], 0, n) for n in dtypes])
+
+
+@pytest.mark.parametrize("bucketing", ["size", "auto"])
+def test_bucketing_never_mixes_dtypes_in_a_bucket(group, bucketing):
+    """A bucket's shards share one flat buffer, where two dtypes would promote one: packing
+    starts a new bucket where the dtype changes, even when the bytes would fit."""
+    gm = run("joint", assign_buckets, _mixed_dtype_params(group), bucketing=bucketing,
+             bucket_bytes=1 << 20, max_unsharded_bytes=1 << 20)
+    got = buckets(gm, UNSHARD)
+    assert got["b"] == got["c"] and len({got["a"], got["b"], got["d"]}) == 3

@@ -182,7 +182,30 @@ def _assign_buckets(
     bucket_names.append("<rest>")
     for p in module.parameters():
         bucket_of.setdefault(id(p), rest)
-    return bucket_of, bucket_names
+    return _split_by_dtype(module, bucket_of, bucket_names)
+
+
+def _split_by_dtype(
+    module: nn.Module, bucket_of: dict[int, int], names: list[str]
+) -> tuple[dict[int, int], list[str]]:
+    """One dtype per bucket: a bucket's shards travel in one flat buffer, and concatenating
+    pieces of two dtypes would promote one of them (a bf16 weight gathered as fp32). A group
+    whose parameters have several dtypes becomes one bucket per dtype, in first-seen order;
+    bucket indices stay in group order and ``<rest>`` stays last."""
+    dtypes: dict[int, list[torch.dtype]] = {}
+    for p in module.parameters():
+        seen = dtypes.setdefault(bucket_of[id(p)], [])
+        if p.dtype not in seen:
+            seen.append(p.dtype)
+    new_index: dict[tuple[int, torch.dtype], int] = {}
+    new_names: list[str] = []
+    for old, name in enumerate(names):
+        kinds = dtypes.get(old) or [None]
+        for dtype in kinds:
+            new_index[(old, dtype)] = len(new_names)
+            suffix = f"[{str(dtype).removeprefix('torch.')}]" if len(kinds) > 1 else ""
+            new_names.append(name + suffix)
+    return {id(p): new_index[(bucket_of[id(p)], p.dtype)] for p in module.parameters()}, new_names
 
 
 def placements(mesh: DeviceMesh, full_shape: Sequence[int]) -> tuple:
@@ -363,7 +386,7 @@ def shard(
             entry = by_param.get(id(p))
             if entry is None:
                 bucket = bucket_of[id(p)]
-                pinned = buckets is not None and bucket < len(bucket_names) - 1
+                pinned = buckets is not None and not bucket_names[bucket].startswith("<rest>")
                 if tp_mesh is not None:  # tensor parallel: shard each TP piece over dp
                     param, tp = tp_parameter(p, mesh, placements(mesh, p.shape), rank,
                                              tp_mesh)
