@@ -58,7 +58,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     _check_users_after(graph, bucket, anchor)
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
-    with graph.inserting_before(anchor), make.provenance(anchor):
+    with (graph.inserting_before(anchor), make.provenance(anchor),
+          make.lowering("reduce_grad", bucket.index)):
         columns, layouts = [], []
         for node in bucket.nodes:
             args = marker_args(node)

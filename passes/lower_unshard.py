@@ -53,7 +53,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
 
     layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
     numels = [layout.piece_numel for layout in layouts]
-    with graph.inserting_before(_insert_point(graph, bucket)), make.provenance(bucket.nodes[0]):
+    with (graph.inserting_before(_insert_point(graph, bucket)),
+          make.provenance(bucket.nodes[0]), make.lowering("unshard", bucket.index)):
         flats = [
             gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index), first),
                          layout, rows_held(shard.meta["val"].shape))
