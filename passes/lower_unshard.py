@@ -10,11 +10,15 @@ passes move it earlier.
 With CPU offload the markers carry a ``compute_device``: each host shard is first copied
 there (``aten._to_copy``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
 gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
+
+At world 1 there is no one to gather from: each marker becomes its shard itself (after the
+offload copy and the cast, where asked), so the graph is the plain model's.
 """
 
 from __future__ import annotations
 
 import torch
+from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from graphshard.passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
 from graphshard.passes.markers import is_unshard, marker_args
@@ -50,6 +54,9 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         slots.setdefault(marker_args(node).shard, []).append(node)
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
+    if world == 1:
+        _lower_local(graph, make, bucket, slots)
+        return
 
     layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
     numels = [layout.piece_numel for layout in layouts]
@@ -79,6 +86,26 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     for shard, nodes in slots.items():
         for node in nodes:
             replace_and_erase(node, rebuilt[shard])
+
+
+def _lower_local(graph: fx.Graph, make: NodeMaker, bucket: Bucket,
+                 slots: dict[fx.Node, list[fx.Node]]) -> None:
+    """World 1: the shard is the whole parameter, so there is nothing to gather, pad or cut
+    out. Each marker becomes its shard itself (copied to the compute device and cast where
+    the marker asks), the graph a plain model's."""
+    for shard, nodes in slots.items():
+        args = marker_args(nodes[0])
+        if tuple(shard.meta["val"].shape) != tuple(args.full_shape):
+            raise GraphLoweringError(
+                f"{nodes[0].format_node()}: a world-1 shard of shape "
+                f"{tuple(shard.meta['val'].shape)} for a parameter of shape "
+                f"{tuple(args.full_shape)}; this is a graphshard bug, please report it"
+            )
+        with (graph.inserting_before(nodes[0]), make.provenance(nodes[0]),
+              make.lowering("unshard", bucket.index)):
+            full = _cast(make, _to_compute(make, shard, args, bucket.index), args)
+        for node in nodes:
+            replace_and_erase(node, full)
 
 
 def _to_compute(make: NodeMaker, shard: fx.Node, args, bucket: int) -> fx.Node:
