@@ -103,7 +103,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
             if args.pending_full is not None:  # full gradients of no_sync micro-batches
                 grad = make(aten.add.Tensor, grad, args.pending_full)
-            columns.append(rank_major(make, grad, layouts[-1]))
+            dense = grad.meta["val"].is_contiguous()
+            columns.append(rank_major(make, grad, layouts[-1], contiguous=dense))
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
         reduced = _reduce(make, "reduce_scatter", flat, world, group)

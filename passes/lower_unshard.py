@@ -80,8 +80,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         rebuilt = {}
         offset = 0
         for shard, layout in zip(slots, layouts, strict=True):
-            column = _column(make, matrix, offset, layout.piece_numel, total)
-            rebuilt[shard] = full_from_gathered(make, column, layout)
+            column, ranks = _column(make, matrix, offset, layout, total)
+            rebuilt[shard] = full_from_gathered(make, column, layout, ranks)
             offset += layout.piece_numel
     for shard, nodes in slots.items():
         for node in nodes:
@@ -126,10 +126,16 @@ def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:
     return make(prims.convert_element_type.default, shard, args.param_dtype)
 
 
-def _column(make: NodeMaker, matrix: fx.Node, offset: int, numel: int, total: int) -> fx.Node:
-    """One parameter's pieces from every rank, contiguous: its ``[world, numel]`` column
-    block of the gathered ``[world, total]`` matrix (the buffer itself when alone)."""
+def _column(make: NodeMaker, matrix: fx.Node, offset: int, layout: Dim0Layout,
+            total: int) -> tuple[fx.Node, int]:
+    """One parameter's pieces, contiguous, and how many ranks' they are: its column block of
+    the gathered ``[world, total]`` matrix (the buffer itself, all ranks', when alone). The
+    copy that reorders it takes only the ranks holding rows: the rest are padding."""
+    numel = layout.piece_numel
     if total == numel:
-        return matrix
+        return matrix, layout.world
+    ranks = layout.holding_ranks
+    if ranks < layout.world:
+        matrix = make(aten.slice.Tensor, matrix, 0, 0, ranks)
     column = make(aten.slice.Tensor, matrix, 1, offset, offset + numel)
-    return make(aten.clone.default, column, memory_format=torch.contiguous_format)
+    return make(aten.clone.default, column, memory_format=torch.contiguous_format), ranks
