@@ -12,7 +12,7 @@ from torch._guards import detect_fake_mode
 
 from graphshard.passes.errors import GraphLoweringError
 
-__all__ = ["NodeMaker", "graph_order", "replace_and_erase"]
+__all__ = ["LOWERED", "NodeMaker", "graph_order", "replace_and_erase"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -20,6 +20,10 @@ prims = torch.ops.prims
 
 
 _PROVENANCE = ("stack_trace", "nn_module_stack")
+# ``node.meta[LOWERED]``: ``{"side": "unshard" | "reduce_grad", "bucket": int}`` on every node
+# a lowering pass made, so graphshard's own data movement can be told from the model's
+# (``graphshard.passes.traffic``).
+LOWERED = "graphshard_lowered"
 
 
 class NodeMaker:
@@ -37,6 +41,17 @@ class NodeMaker:
         vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
         self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         self.source: fx.Node | None = None
+        self.lowered: dict | None = None
+
+    @contextlib.contextmanager
+    def lowering(self, side: str, bucket: int) -> Iterator[None]:
+        """Nodes made inside are tagged ``meta[LOWERED] = {"side": side, "bucket": bucket}``:
+        they are graphshard's data movement for that bucket, not the model's compute."""
+        outer, self.lowered = self.lowered, {"side": side, "bucket": bucket}
+        try:
+            yield
+        finally:
+            self.lowered = outer
 
     @contextlib.contextmanager
     def provenance(self, source: fx.Node) -> Iterator[None]:
@@ -52,6 +67,8 @@ class NodeMaker:
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         """Insert ``target(*args, **kwargs)`` and fill in its ``meta["val"]``."""
         node = self.graph.call_function(target, args, kwargs)
+        if self.lowered is not None:
+            node.meta[LOWERED] = dict(self.lowered)
         if self.source is not None:
             for key in _PROVENANCE:
                 if key in self.source.meta:

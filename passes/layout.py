@@ -88,6 +88,11 @@ class Dim0Layout:
         return self.world * self.rows
 
     @property
+    def holding_ranks(self) -> int:
+        """Ranks that hold rows (the first ones; the rest hold only padding)."""
+        return 1 if self.replicated else math.ceil(self.dim0 / self.rows)
+
+    @property
     def piece_shape(self) -> tuple[int, ...]:
         """Shape of one rank's padded piece (what a collective moves per rank)."""
         return (self.rows, *self.full_shape[1:])
@@ -124,27 +129,36 @@ def gather_piece(op: Op, local: Any, layout: Dim0Layout, local_rows: int) -> Any
     return flat
 
 
-def full_from_gathered(op: Op, gathered: Any, layout: Dim0Layout) -> Any:
-    """The full tensor from the gathered pieces (contiguous, ``world * piece_numel``
-    elements, rank-major): padding rows cut off."""
-    padded = op(aten.view.default, gathered, [layout.padded_rows, *layout.full_shape[1:]])
-    if layout.dim0 != layout.padded_rows:
+def full_from_gathered(op: Op, gathered: Any, layout: Dim0Layout,
+                       ranks: int | None = None) -> Any:
+    """The full tensor from the gathered pieces of the first ``ranks`` ranks (contiguous,
+    ``ranks * piece_numel`` elements, rank-major; all ranks by default, at least
+    :attr:`Dim0Layout.holding_ranks`): padding rows cut off."""
+    rows = layout.rows * (layout.world if ranks is None else ranks)
+    padded = op(aten.view.default, gathered, [rows, *layout.full_shape[1:]])
+    if layout.dim0 != rows:
         padded = op(aten.slice.Tensor, padded, 0, 0, layout.dim0)
     if layout.replicated:
         padded = op(aten.view.default, padded, [])
     return padded
 
 
-def rank_major(op: Op, grad: Any, layout: Dim0Layout) -> Any:
+def rank_major(op: Op, grad: Any, layout: Dim0Layout, contiguous: bool = False) -> Any:
     """A full gradient as the reduce-scatter input ``[world, piece_numel]``: row ``r`` is
-    rank ``r``'s padded piece (a 0-D gradient repeated on every row)."""
+    rank ``r``'s padded piece (a 0-D gradient repeated on every row).
+
+    Only what the layout needs is copied: a ``contiguous`` gradient is viewed, not cloned;
+    so is one of at most two dims that needs padding (the padding writes a dense copy)."""
     if layout.replicated:
         row = op(aten.view.default, grad, [1, 1])
         spread = op(aten.expand.default, row, [layout.world, 1])
         return op(aten.clone.default, spread, memory_format=torch.contiguous_format)
-    dense = op(aten.clone.default, grad, memory_format=torch.contiguous_format)
+    padded = layout.padded_rows != layout.dim0
+    dense = grad
+    if not contiguous and not (padded and len(layout.full_shape) <= 2):
+        dense = op(aten.clone.default, grad, memory_format=torch.contiguous_format)
     matrix = op(aten.view.default, dense, [layout.dim0, layout.inner])
-    if layout.padded_rows != layout.dim0:
+    if padded:
         pad = [0, 0, 0, layout.padded_rows - layout.dim0]
         matrix = op(aten.constant_pad_nd.default, matrix, pad, 0.0)
     return op(aten.view.default, matrix, [layout.world, layout.piece_numel])

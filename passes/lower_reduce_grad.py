@@ -14,6 +14,10 @@ With CPU offload the markers carry an ``out_device`` (the host): the bucket's re
 buffer (after the replica all-reduce and the cast back) is copied there in one blocking
 ``aten._to_copy`` (tagged ``meta["graphshard_copy"]``), and the shards' gradients are views
 of the host copy. It depends on the wait, so ``overlap_reduce`` moves it with the wait.
+
+At world 1 without replicas there is nothing to reduce: each gradient is handed straight to
+its shard (after the casts and held-back additions its marker asks for), with no buffer,
+copy or collective, as in a plain model's graph.
 """
 
 from __future__ import annotations
@@ -34,8 +38,40 @@ def lower_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace every bucket's ``reduce_grad`` markers with one reduce-scatter and views."""
     make = NodeMaker(gm.graph)
     for bucket in collect_buckets(gm.graph, is_reduce_grad):
-        _lower_bucket(gm.graph, make, bucket)
+        first = marker_args(bucket.nodes[0])
+        if first.world_size == 1 and not (first.all_reduce and first.replica_size > 1):
+            for node in bucket.nodes:
+                _lower_local(gm.graph, make, node, bucket.index)
+        else:
+            _lower_bucket(gm.graph, make, bucket)
     return gm
+
+
+def _lower_local(graph: fx.Graph, make: NodeMaker, node: fx.Node, bucket: int) -> None:
+    """World 1, no replicas: a gradient averaged over one rank is itself, so it goes straight
+    to the shard's ``.grad``, through only the casts and held-back additions the eager
+    kernel makes, in its order (the same numbers): no buffer, no copy, no collective."""
+    args = marker_args(node)
+    with graph.inserting_before(node), make.provenance(node), make.lowering("reduce_grad", bucket):
+        grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
+        if args.pending_full is not None:
+            grad = make(aten.add.Tensor, grad, args.pending_full)
+        if args.pending_partial is not None:
+            shape = list(grad.meta["val"].shape)
+            grad = make(aten.add.Tensor, grad,
+                        make(aten.view.default, args.pending_partial, shape))
+        if args.out_dtype is not None and args.out_dtype != grad.meta["val"].dtype:
+            grad = make(prims.convert_element_type.default, grad, args.out_dtype)
+        if args.out_device:  # CPU offload: the gradient goes to the host shard
+            grad = make(aten._to_copy.default, grad, device=torch.device(args.out_device))
+            grad.meta["graphshard_copy"] = {"direction": "d2h", "bucket": bucket}
+        if not grad.meta["val"].is_contiguous() and any(u.op != "output" for u in node.users):
+            # the marker's users were traced on a dense gradient (a view of it must work)
+            grad = make(aten.clone.default, grad, memory_format=torch.contiguous_format)
+        shape = list(node.meta["val"].shape)
+        if list(grad.meta["val"].shape) != shape:  # a 0-D partial accumulates as one row
+            grad = make(aten.view.default, grad, shape)
+    replace_and_erase(node, grad)
 
 
 def _check_users_after(graph: fx.Graph, bucket: Bucket, anchor: fx.Node) -> None:
@@ -59,7 +95,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
     _check_users_after(graph, bucket, anchor)
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
-    with graph.inserting_before(anchor), make.provenance(anchor):
+    with (graph.inserting_before(anchor), make.provenance(anchor),
+          make.lowering("reduce_grad", bucket.index)):
         columns, layouts = [], []
         for node in bucket.nodes:
             args = marker_args(node)
@@ -67,7 +104,8 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
             if args.pending_full is not None:  # full gradients of no_sync micro-batches
                 grad = make(aten.add.Tensor, grad, args.pending_full)
-            columns.append(rank_major(make, grad, layouts[-1]))
+            dense = grad.meta["val"].is_contiguous()
+            columns.append(rank_major(make, grad, layouts[-1], contiguous=dense))
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
         reduced = _reduce(make, "reduce_scatter", flat, world, group)

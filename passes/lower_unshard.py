@@ -10,6 +10,9 @@ passes move it earlier.
 With CPU offload the markers carry a ``compute_device``: each host shard is first copied
 there (``aten._to_copy``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
 gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
+
+At world 1 there is no one to gather from: each marker becomes its shard itself (after the
+offload copy and the cast, where asked), so the graph is the plain model's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from graphshard.passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
 from graphshard.passes.markers import is_unshard, marker_args
@@ -51,10 +55,14 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         slots.setdefault(marker_args(node).shard, []).append(node)
     first = marker_args(bucket.nodes[0])
     world, group = first.world_size, first.group_name
+    if world == 1:
+        _lower_local(graph, make, bucket, slots)
+        return
 
     layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
     numels = [layout.piece_numel for layout in layouts]
-    with graph.inserting_before(_insert_point(graph, bucket)), make.provenance(bucket.nodes[0]):
+    with (graph.inserting_before(_insert_point(graph, bucket)),
+          make.provenance(bucket.nodes[0]), make.lowering("unshard", bucket.index)):
         flats = [
             gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index), first),
                          layout, rows_held(shard.meta["val"].shape))
@@ -73,12 +81,32 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
         rebuilt = {}
         offset = 0
         for shard, layout in zip(slots, layouts, strict=True):
-            column = _column(make, matrix, offset, layout.piece_numel, total)
-            rebuilt[shard] = full_from_gathered(make, column, layout)
+            column, ranks = _column(make, matrix, offset, layout, total)
+            rebuilt[shard] = full_from_gathered(make, column, layout, ranks)
             offset += layout.piece_numel
     for shard, nodes in slots.items():
         for node in nodes:
             replace_and_erase(node, rebuilt[shard])
+
+
+def _lower_local(graph: fx.Graph, make: NodeMaker, bucket: Bucket,
+                 slots: dict[fx.Node, list[fx.Node]]) -> None:
+    """World 1: the shard is the whole parameter, so there is nothing to gather, pad or cut
+    out. Each marker becomes its shard itself (copied to the compute device and cast where
+    the marker asks), the graph a plain model's."""
+    for shard, nodes in slots.items():
+        args = marker_args(nodes[0])
+        if tuple(shard.meta["val"].shape) != tuple(args.full_shape):
+            raise GraphLoweringError(
+                f"{nodes[0].format_node()}: a world-1 shard of shape "
+                f"{tuple(shard.meta['val'].shape)} for a parameter of shape "
+                f"{tuple(args.full_shape)}; this is a graphshard bug, please report it"
+            )
+        with (graph.inserting_before(nodes[0]), make.provenance(nodes[0]),
+              make.lowering("unshard", bucket.index)):
+            full = _cast(make, _to_compute(make, shard, args, bucket.index), args)
+        for node in nodes:
+            replace_and_erase(node, full)
 
 
 def _to_compute(make: NodeMaker, shard: fx.Node, args, bucket: int) -> fx.Node:
@@ -99,10 +127,16 @@ def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:
     return make(prims.convert_element_type.default, shard, args.param_dtype)
 
 
-def _column(make: NodeMaker, matrix: fx.Node, offset: int, numel: int, total: int) -> fx.Node:
-    """One parameter's pieces from every rank, contiguous: its ``[world, numel]`` column
-    block of the gathered ``[world, total]`` matrix (the buffer itself when alone)."""
+def _column(make: NodeMaker, matrix: fx.Node, offset: int, layout: Dim0Layout,
+            total: int) -> tuple[fx.Node, int]:
+    """One parameter's pieces, contiguous, and how many ranks' they are: its column block of
+    the gathered ``[world, total]`` matrix (the buffer itself, all ranks', when alone). The
+    copy that reorders it takes only the ranks holding rows: the rest are padding."""
+    numel = layout.piece_numel
     if total == numel:
-        return matrix
+        return matrix, layout.world
+    ranks = layout.holding_ranks
+    if ranks < layout.world:
+        matrix = make(aten.slice.Tensor, matrix, 0, 0, ranks)
     column = make(aten.slice.Tensor, matrix, 1, offset, offset + numel)
-    return make(aten.clone.default, column, memory_format=torch.contiguous_format)
+    return make(aten.clone.default, column, memory_format=torch.contiguous_format), ranks

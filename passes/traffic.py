@@ -1,0 +1,349 @@
+"""The bytes graphshard's own kernels move in a step, and the least they could move.
+
+Beside the collectives (the wire, priced by ``cost_model``), sharding costs memory traffic
+on each rank: shards are cast and copied into the gather buffer, the gathered buffer is cut
+into parameters, gradients are copied into the reduce-scatter buffer. This module measures
+it on the lowered graphs, per category:
+
+- ``copy_in``: shards into the all-gather buffer; ``cast``: a cast kernel of its own (one
+  fused into the copy-in costs nothing extra); ``padding``: zeros written to even out the
+  pieces; ``copy_out``: a plain copy of gathered data into a per-parameter tensor;
+  ``interleave``: the copy that reorders a bucket's rank-major gathered data into one
+  parameter; ``offload``: CPU-offload copies between host and device;
+- ``grad_copy_in``: gradients into the reduce-scatter buffer; ``grad_padding``;
+  ``grad_cast``: the cast of reduced gradients back to the shard's dtype, or a cast kernel
+  of its own; ``grad_other``: anything else after the reduction (held-back partials added).
+
+Accounting (what Inductor would do; ``fused=False`` instead counts every op as a kernel,
+as the graph runs with ``inductor=False``):
+
+- Graphshard's nodes are those the lowering made (``meta[LOWERED]``). Views move nothing;
+  collectives and waits are the wire, not counted here.
+- An op is fused into its consumer when it has exactly one (looking through views) and that
+  consumer is pointwise: a pointwise op, ``cat``, ``constant_pad_nd``, a same-device copy,
+  or a reduction of the model's compute. A fused op writes nothing; an op that feeds a
+  collective, an extern kernel (a matmul), the graph's output or several consumers is a
+  kernel that writes its output once. An op fused into the model's compute is not
+  graphshard's kernel and counts nothing.
+- A kernel reads each input it does not fuse once, as much of it as the view it reads
+  through holds (a column slice reads the column, an expanded scalar one element). A
+  producer of the model's compute counts as one read of its result.
+- The padding zeros a kernel writes count as ``padding``, not as its own category.
+
+The minimum, per bucket: the copy-in reads every shard (gradient) once and writes the buffer
+once, nothing at all when the buffer can be the one shard itself (same dtype, contiguous,
+nothing to pad); every cast is fused into the copy-in; padding writes its zeros once; each
+parameter of a multi-parameter bucket gathered over several ranks is materialised once (its
+real rows read and written by one interleave), any other parameter is a view of the
+gathered buffer. What the semantics ask beyond that (a cast at world 1, the cast of reduced
+gradients back, offload copies, held-back gradients added) counts at what it moves.
+Figures are per rank, for the rank whose graphs these are (padding differs by rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from graphshard.passes.fx_util import LOWERED
+
+__all__ = ["CATEGORIES", "Traffic", "traffic", "step_traffic", "format_traffic"]
+
+STEP_STAGES = ("fw", "bw", "inference")
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+CATEGORIES = (
+    "copy_in", "cast", "padding", "copy_out", "interleave", "offload",
+    "grad_copy_in", "grad_cast", "grad_padding", "grad_other",
+)
+
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.slice.Tensor, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.expand.default, aten.alias.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default, aten.select.int,
+    aten.as_strided.default,
+}
+_CASTS = {prims.convert_element_type.default}
+_NO_READ = {aten.new_zeros.default, aten.zeros.default, aten.full.default,
+            aten.scalar_tensor.default, aten.empty.memory_format}
+_LAYOUT = {aten.cat.default, aten.constant_pad_nd.default}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes moved and the minimum, per category (:data:`CATEGORIES`); ``kernels``: how
+    many kernels graphshard's nodes make."""
+
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    minimum: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    kernels: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.moved.values())
+
+    @property
+    def total_minimum(self) -> int:
+        return sum(self.minimum.values())
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic({k: self.moved[k] + other.moved[k] for k in CATEGORIES},
+                       {k: self.minimum[k] + other.minimum[k] for k in CATEGORIES},
+                       self.kernels + other.kernels)
+
+
+def traffic(graphs: fx.GraphModule | Iterable[fx.GraphModule], *, fused: bool = True) -> Traffic:
+    """What graphshard's kernels move in ``graphs`` (one lowered graph or several, e.g. a
+    step's forward and backward), and the minimum; see the module doc for the accounting."""
+    if isinstance(graphs, fx.GraphModule):
+        graphs = [graphs]
+    total = Traffic()
+    for gm in graphs:
+        total = total + _graph_traffic(gm.graph, fused)
+    return total
+
+
+def step_traffic(graphs: Iterable[dict[str, fx.GraphModule]], *, fused: bool = True) -> Traffic:
+    """:func:`traffic` of one step: every compiled graph's forward, backward (and inference)
+    graph, as ``GraphshardBackend.graphs`` holds them (one dict of stage -> graph each)."""
+    return traffic([stages[s] for stages in graphs for s in STEP_STAGES if s in stages],
+                   fused=fused)
+
+
+def format_traffic(t: Traffic) -> str:
+    """A text table: bytes moved, the minimum and the excess per category, then the total."""
+    lines = [f"{'category':<14}{'moved':>14}{'minimum':>14}{'excess':>14}"]
+    for key in CATEGORIES:
+        moved, least = t.moved[key], t.minimum[key]
+        if moved or least:
+            lines.append(f"{key:<14}{moved:>14,}{least:>14,}{moved - least:>14,}")
+    lines.append(f"{'total':<14}{t.total:>14,}{t.total_minimum:>14,}"
+                 f"{t.total - t.total_minimum:>14,}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _tag(node: fx.Node) -> dict | None:
+    return node.meta.get(LOWERED) if node.op == "call_function" else None
+
+
+def _is_wire(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == (
+        "_c10d_functional")
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in VIEWS
+
+
+def _is_data(node: fx.Node) -> bool:
+    """A graphshard op that moves data (not a view, not the wire)."""
+    return _tag(node) is not None and not _is_view(node) and not _is_wire(node)
+
+
+def _is_device_copy(node: fx.Node) -> bool:
+    return node.target is aten._to_copy.default and "device" in node.kwargs
+
+
+def _val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _bytes(node: fx.Node, numel: int | None = None) -> int:
+    val = _val(node)
+    return (val.numel() if numel is None else numel) * val.element_size()
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s data, looking through views (the output node too)."""
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if _is_view(user):
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+def _pointwise(node: fx.Node) -> bool:
+    """Inductor computes its inputs inside its own kernel (they need not be written)."""
+    if node.op != "call_function" or _is_wire(node) or _is_device_copy(node):
+        return False
+    if node.target in _LAYOUT or node.target is aten._to_copy.default:
+        return True
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.pointwise in tags:
+        return True
+    return _tag(node) is None and torch.Tag.reduction in tags
+
+
+def _fused_away(node: fx.Node, fused: bool) -> bool:
+    """``node`` (a graphshard op) runs inside its one consumer's kernel."""
+    if not fused or _is_device_copy(node):
+        return False
+    consumers = _consumers(node)
+    return len(consumers) == 1 and _pointwise(consumers[0])
+
+
+def _reads(root: fx.Node, fused: bool) -> tuple[list[tuple[fx.Node, fx.Node, int]], list[fx.Node]]:
+    """The kernel of ``root``: the inputs it reads (base, view read through, bytes) and the
+    graphshard ops it contains (``root`` and those fused into it)."""
+    reads: dict[tuple[fx.Node, int], tuple[fx.Node, fx.Node, int]] = {}
+    members, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        members.append(node)
+        if node.target in _NO_READ:
+            continue
+        for arg in node.all_input_nodes:
+            if not isinstance(arg.meta.get("val"), torch.Tensor):
+                continue  # a size, not data
+            base, least = arg, _val(arg).numel()
+            while _is_view(base):
+                base = base.args[0]
+                least = min(least, _val(base).numel())
+            if _is_data(base) and base is not root and _fused_away(base, fused):
+                stack.append(base)
+            else:
+                reads[(base, least)] = (base, arg, _bytes(base, least))
+    return list(reads.values()), members
+
+
+def _padding(members: list[fx.Node]) -> int:
+    """Bytes of zeros the padding ops among ``members`` write."""
+    return sum(_bytes(n) - _bytes(n.args[0]) for n in members
+               if n.target is aten.constant_pad_nd.default)
+
+
+def _phase(node: fx.Node, collective: fx.Node | None, before: set[fx.Node]) -> str:
+    if collective is None:
+        return "local"
+    return "pre" if node in before else "post"
+
+
+def _category(root: fx.Node, side: str, phase: str, reads) -> str:
+    """A kernel's category: the copy that writes the collective's buffer is the copy-in
+    (whatever is fused into it); a cast kernel of its own is a cast; after the gather, a
+    copy from a strided column is the interleave."""
+    if _is_device_copy(root):
+        return "offload"
+    cast = root.target in _CASTS
+    feeds = phase == "pre" and any(_is_wire(c) for c in _consumers(root))
+    if side == "unshard":
+        if phase == "pre":
+            return "cast" if cast and not feeds else "copy_in"
+        if cast:
+            return "cast"
+        strided = any(not _val(view).is_contiguous() for _, view, _ in reads)
+        return "interleave" if strided and phase == "post" else "copy_out"
+    if phase == "pre":
+        return "grad_cast" if cast and not feeds else "grad_copy_in"
+    return "grad_cast" if cast else "grad_other"
+
+
+def _fused_into_compute(node: fx.Node, fused: bool) -> bool:
+    """A parameter Inductor reads straight from the gathered buffer inside its one (pointwise)
+    consumer: it need not be materialised."""
+    consumers = _consumers(node)
+    return fused and len(consumers) == 1 and _pointwise(consumers[0])
+
+
+def _ancestors(node: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for arg in current.all_input_nodes:
+            if arg in members and arg not in found:
+                found.add(arg)
+                stack.append(arg)
+    return found
+
+
+def _leaves(start: fx.Node, members: set[fx.Node]) -> list[fx.Node]:
+    """The inputs a bucket's buffer is built from: back from ``start`` through the bucket's
+    own ops, stopping at other nodes (and at offload copies, accounted on their own)."""
+    found: list[fx.Node] = []
+    stack, seen = [start], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in members and not _is_device_copy(node) and node.target not in _NO_READ:
+            stack.extend(node.all_input_nodes)
+        elif node not in members or _is_device_copy(node):
+            found.append(node)
+    return found
+
+
+def _graph_traffic(graph: fx.Graph, fused: bool) -> Traffic:
+    groups: dict[tuple[str, int], list[fx.Node]] = {}
+    for node in graph.nodes:
+        tag = _tag(node)
+        if tag is not None:
+            groups.setdefault((tag["side"], tag["bucket"]), []).append(node)
+    moved = dict.fromkeys(CATEGORIES, 0)
+    minimum = dict.fromkeys(CATEGORIES, 0)
+    kernels = 0
+    for (side, _), nodes in groups.items():
+        members = set(nodes)
+        collective = next((n for n in nodes if _is_wire(n)
+                           and n.target is not c10d.wait_tensor.default
+                           and n.target is not c10d.all_reduce.default), None)
+        before = _ancestors(collective, members) if collective is not None else set()
+        pad_cat = "padding" if side == "unshard" else "grad_padding"
+        semantic = dict.fromkeys(CATEGORIES, 0)  # what the minimum takes at its moved bytes
+        for node in nodes:
+            if not _is_data(node) or _fused_away(node, fused):
+                continue
+            reads, inside = _reads(node, fused)
+            phase = _phase(node, collective, before)
+            category = _category(node, side, phase, reads)
+            pad = _padding(inside)
+            size = sum(b for _, _, b in reads) + _bytes(node)
+            moved[category] += size - pad
+            moved[pad_cat] += pad
+            kernels += 1
+            if category in ("offload", "grad_other") or (
+                category in ("cast", "grad_cast") and phase != "pre"
+            ):
+                semantic[category] += size - pad
+        for key, value in semantic.items():
+            minimum[key] += value
+        if collective is None:
+            continue
+        buffer = collective.args[0]
+        leaves = _leaves(buffer, members)
+        pad = _padding([n for n in before if _is_data(n)])
+        minimum[pad_cat] += pad
+        world = collective.args[1] if side == "unshard" else collective.args[2]
+        whole = world == 1 or (
+            len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
+            and _val(leaves[0]).numel() == _val(buffer).numel()
+            and _val(leaves[0]).is_contiguous())
+        if not whole:
+            copy_in = "copy_in" if side == "unshard" else "grad_copy_in"
+            minimum[copy_in] += sum(_bytes(leaf) for leaf in leaves) + _bytes(buffer) - pad
+        elif world == 1:  # no buffer is needed, only the casts (the shard is the parameter)
+            itemsize = _val(buffer).element_size()
+            minimum["cast" if side == "unshard" else "grad_cast"] += sum(
+                _bytes(leaf) + _val(leaf).numel() * itemsize for leaf in leaves
+                if _val(leaf).dtype != _val(buffer).dtype)
+        if side == "unshard" and world > 1 and len(leaves) > 1:
+            outputs = {n for n in nodes if n not in before and n is not collective
+                       and any(u not in members for u in n.users)}
+            minimum["interleave"] += sum(2 * _bytes(n) for n in outputs
+                                         if not _fused_into_compute(n, fused))
+    return Traffic(moved, minimum, kernels)
