@@ -47,16 +47,37 @@ def _numel(shape: Any) -> int:
     return sum(_numel(s) for s in shape)
 
 
+# Bytes one rank sends on a ring, per byte of the full buffer, times (N-1)/N.
+RING_FACTOR: dict[str, float] = {
+    "all_gather": 1.0,
+    "reduce_scatter": 1.0,
+    "broadcast": 1.0,
+    "all_reduce": 2.0,
+}
+
+
+def _shapes(event: Any) -> list[Any]:
+    """The event's argument shapes.
+
+    torch 2.13 records ``structured_input_shapes`` (a list of shapes for a tensor-list
+    argument); older torch (2.11) has only the flat ``shapes``, where a tensor list is ``[]``.
+    """
+    structured = getattr(event, "structured_input_shapes", None)
+    return structured() if structured is not None else event.shapes()
+
+
 def count_collectives(events: list[Any], world_size: int, default_elem: int) -> dict[str, Any]:
     """Count the ``c10d::`` collectives among profiler events and the ring bytes one rank sends.
 
     ``default_elem`` is the element size used where the profiler records no dtype (tensor-list
-    arguments). Returns counts per kind, ``total``, ``bytes`` and any unrecognised c10d ops.
+    arguments). Returns counts per kind, ``total``, ``bytes``, any unrecognised c10d ops and
+    ``unsized``: collectives whose buffer the profiler did not size (a tensor-list argument
+    on a torch without ``structured_input_shapes``, or a list of lists), counted as 0 bytes.
     """
     ring = (world_size - 1) / world_size
-    factor = {"all_gather": ring, "reduce_scatter": ring, "broadcast": ring, "all_reduce": 2 * ring}
-    counts = dict.fromkeys(factor, 0)
+    counts = dict.fromkeys(RING_FACTOR, 0)
     sent = 0.0
+    unsized = 0
     unrecognised: set[str] = set()
     for event in events:
         name = event.name()
@@ -67,15 +88,42 @@ def count_collectives(events: list[Any], world_size: int, default_elem: int) -> 
             continue
         kind, arg = _COLLECTIVES[name]
         counts[kind] += 1
-        shapes, dtypes = event.structured_input_shapes(), event.dtypes()
-        elem = _DTYPE_BYTES.get(dtypes[arg] if arg < len(dtypes) else "", default_elem)
-        if arg < len(shapes):
-            sent += factor[kind] * _numel(shapes[arg]) * elem
+        shapes, dtypes = _shapes(event), event.dtypes()
+        dtype = dtypes[arg] if arg < len(dtypes) else ""
+        # An empty shape without a tensor dtype is a list the profiler did not size.
+        if arg >= len(shapes) or (shapes[arg] == [] and dtype in ("", "TensorList")):
+            unsized += 1
+            continue
+        elem = _DTYPE_BYTES.get(dtype, default_elem)
+        sent += RING_FACTOR[kind] * ring * _numel(shapes[arg]) * elem
     return {
         **counts,
         "total": sum(counts.values()),
         "bytes": int(round(sent)),
         "unrecognised": sorted(unrecognised),
+        "unsized": unsized,
+    }
+
+
+def count_logged(entries: list[Any], world_size: int) -> dict[str, Any]:
+    """:func:`count_collectives` for the collectives a fake world logged (``kind``,
+    ``full_bytes``; see :func:`bench.fake_world.collective_log`), with the same ring rule."""
+    ring = (world_size - 1) / world_size
+    counts = dict.fromkeys(RING_FACTOR, 0)
+    unrecognised: set[str] = set()
+    sent = 0.0
+    for entry in entries:
+        if entry.kind not in RING_FACTOR:
+            unrecognised.add(entry.kind)
+            continue
+        counts[entry.kind] += 1
+        sent += RING_FACTOR[entry.kind] * ring * entry.full_bytes
+    return {
+        **counts,
+        "total": sum(counts.values()),
+        "bytes": int(round(sent)),
+        "unrecognised": sorted(unrecognised),
+        "unsized": 0,
     }
 
 
@@ -108,6 +156,10 @@ def communication(ranks: list[dict], notes: list[str]) -> dict[str, Any]:
     unrecognised = sorted({op for c in comm for op in c["unrecognised"]})
     if unrecognised:
         notes.append(f"c10d ops without a byte rule (counted as 0 bytes): {unrecognised}")
+    unsized = max(c.get("unsized", 0) for c in comm)
+    if unsized:
+        notes.append(f"{unsized} collectives on tensor lists counted as 0 bytes (the profiler "
+                     "recorded no shapes for them)")
     summary = ranks[0].get("summary")
     if summary is None:
         return out

@@ -13,34 +13,53 @@ from typing import Any
 import torch
 
 from bench.comm import communication
-from bench.timing import step_stats
+from bench.timing import round_ratios, step_stats
+
+# The system the others are compared with (``graphshard_ratio``).
+REFERENCE = "graphshard-compiled"
 
 # The fields of every system object in the JSON report, in order.
 FIELDS: tuple[str, ...] = (
     "system",
     "step_s_median",
+    "step_s_p10",
     "step_s_p90",
+    "graphshard_ratio",
     "compile_s",
     "peak_mem_bytes",
     "collectives_per_step",
     "bytes_per_step",
+    "first_loss",
     "final_loss",
     "predicted_step_s",
     "notes",
 )
 
 
+def _failure_note(per_rank: list[dict]) -> str | None:
+    """``skipped: ...`` or ``failed ...`` from the ranks' ``skipped`` / ``error`` entries."""
+    for key, word in (("skipped", "skipped"), ("error", "failed")):
+        found = [(r, res[key]) for r, res in enumerate(per_rank) if key in res]
+        if not found:
+            continue
+        messages = list(dict.fromkeys(msg for _, msg in found))
+        if len(messages) == 1 and len(found) == len(per_rank):
+            return f"{word} (every rank): {messages[0]}"
+        return "; ".join([word, *(f"rank {r}: {msg}" for r, msg in found)])
+    return None
+
+
 def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     """One system's record from what each rank measured (see :data:`FIELDS`).
 
-    Statistics skip the first ``warmup`` steps. A failure on any rank leaves every number
-    None and the ranks' errors in ``notes``.
+    Statistics skip the first ``warmup`` steps. A system skipped (its package is missing) or
+    failed on any rank has every number None and the reason in ``notes``.
     """
     record: dict[str, Any] = dict.fromkeys(FIELDS)
     record["system"] = name
-    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(per_rank) if "error" in res]
-    if errors:
-        record["notes"] = "; ".join(["failed", *errors])
+    failure = _failure_note(per_rank)
+    if failure:
+        record["notes"] = failure
         return record
     ranks = [res for res in per_rank if not res.get("idle")]
     notes = list(dict.fromkeys(n for res in ranks for n in res["notes"]))  # unique, in order
@@ -50,6 +69,17 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     record["peak_mem_bytes_by_rank"] = [res["peak_mem_bytes"] for res in ranks]
     record["notes"] = "; ".join(notes) or None
     return record
+
+
+def add_ratios(records: list[dict], reference: str = REFERENCE) -> None:
+    """Set every record's ``graphshard_ratio``: ``reference``'s step time over the record's,
+    round by round (:func:`bench.timing.round_ratios`); None where either did not run."""
+    ref = next((r for r in records if r["system"] == reference), None)
+    for record in records:
+        ok = ref is not None and ref.get("round_step_s") and record.get("round_step_s")
+        record["graphshard_ratio"] = (
+            round_ratios(ref["round_step_s"], record["round_step_s"]) if ok else None
+        )
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -82,35 +112,67 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value * scale:,.{digits}f}"
 
 
+def _spread(ratio: dict | None) -> str:
+    if not ratio:
+        return "n/a"
+    return f"{ratio['median']:.2f} ({ratio['p10']:.2f}-{ratio['p90']:.2f})"
+
+
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def header(report: dict) -> str:
+    """The line that says what was run, where, and how the steps were scheduled."""
+    cfg = report["config"]
+    world = (
+        f"fake world of {cfg['fake_world']} (rank 0 alone, collectives are local copies)"
+        if cfg.get("fake_world")
+        else f"world size {cfg['world_size']}"
+    )
+    if cfg.get("sequential"):
+        schedule = "systems one after the other"
+    else:
+        schedule = f"interleaved, rounds of {cfg.get('round_steps', 1)} step(s) per system"
+    return (
+        f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, batch "
+        f"{cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
+        f"({cfg['warmup']} warm-up), {schedule}, {report['machine']['device_name']}, "
+        f"torch {report['machine']['torch']}"
+    )
+
+
 def to_markdown(report: dict) -> str:
-    """The report as a markdown table, ratios against fsdp2-eager and single-compiled."""
+    """The report as a markdown table: times with their p10-p90 spread, graphshard-compiled's
+    round-by-round ratio to each system, ratios against single-compiled and fsdp2-eager."""
     systems = report["systems"]
     by_name = {s["system"]: s for s in systems}
     fsdp = by_name.get("fsdp2-eager", {})
     single = by_name.get("single-compiled", {})
-    cfg = report["config"]
     lines = [
-        f"{cfg['model']} ({report['reference']['params']:,} parameters), world size "
-        f"{cfg['world_size']}, batch {cfg['batch_size']}x{cfg['seq_len']} per rank, "
-        f"{cfg['steps']} steps ({cfg['warmup']} warm-up), {report['machine']['device_name']}, "
-        f"torch {report['machine']['torch']}",
+        header(report),
         "",
-        "| system | median ms | p90 ms | compile s | vs fsdp2-eager | vs single-compiled "
-        "| peak mem MiB | mem vs fsdp2-eager | collectives/step | MB sent/rank/step "
-        "| final loss | predicted ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | median ms | p10-p90 ms | graphshard-compiled / this (p10-p90) "
+        "| vs single-compiled | compile s | peak mem MiB | mem vs fsdp2-eager "
+        "| collectives/step | MB sent/rank/step | first loss | final loss | predicted ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in systems:
         median, mem = s["step_s_median"], s["peak_mem_bytes"]
-        loss = "n/a" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
+        spread = (
+            "n/a"
+            if median is None
+            else f"{_fmt(s['step_s_p10'], 1e3)}-{_fmt(s['step_s_p90'], 1e3)}"
+        )
+        collectives = "n/a" if s["collectives_per_step"] is None else s["collectives_per_step"]
         lines.append(
-            f"| {s['system']} | {_fmt(median, 1e3)} | {_fmt(s['step_s_p90'], 1e3)} "
-            f"| {_fmt(s['compile_s'], 1, 2)} | {_ratio(median, fsdp.get('step_s_median'))} "
-            f"| {_ratio(median, single.get('step_s_median'))} | {_fmt(mem, 2**-20, 2)} "
-            f"| {_ratio(mem, fsdp.get('peak_mem_bytes'))} "
-            f"| {'n/a' if s['collectives_per_step'] is None else s['collectives_per_step']} "
-            f"| {_fmt(s['bytes_per_step'], 1e-6, 3)} | {loss} "
-            f"| {_fmt(s['predicted_step_s'], 1e3)} |"
+            f"| {s['system']} | {_fmt(median, 1e3)} | {spread} "
+            f"| {_spread(s.get('graphshard_ratio'))} "
+            f"| {_ratio(median, single.get('step_s_median'))} "
+            f"| {_fmt(s['compile_s'], 1, 2)} | {_fmt(mem, 2**-20, 2)} "
+            f"| {_ratio(mem, fsdp.get('peak_mem_bytes'))} | {collectives} "
+            f"| {_fmt(s['bytes_per_step'], 1e-6, 3)} | {_loss(s.get('first_loss'))} "
+            f"| {_loss(s['final_loss'])} | {_fmt(s['predicted_step_s'], 1e3)} |"
         )
     ref = report["reference"]
     measured = by_name.get("graphshard-compiled", {}).get("bytes_per_step")

@@ -1,36 +1,63 @@
-"""Side-by-side training-step benchmark: graphshard vs FSDP2, DDP and a single process.
+"""Side-by-side training-step benchmark: graphshard vs FSDP2, SimpleFSDP, DDP and one process.
 
     python -m bench.step --world-size 2 --model llama-small --steps 30 --json out.json \\
         [--markdown out.md] [--device cpu|cuda] [--systems NAME ...] [--batch-size 4] \\
-        [--seq-len 128] [--warmup 5]
+        [--seq-len 128] [--warmup 5] [--round-steps 1] [--sequential] [--fake-world N]
 
 The command spawns the ranks itself (``torch.multiprocessing``, a ``FileStore``; gloo on the
-CPU, NCCL with ``--device cuda``) and runs every system of :data:`bench.systems.SYSTEMS` one
-after the other from the same initial model and on the same batches. Per system:
+CPU, NCCL with ``--device cuda``) and runs every system of :data:`bench.systems.SYSTEMS` from
+the same initial model and on the same batches (batch ``(step, rank)`` is the same tensor for
+every system).
 
-- ``step_s_median`` / ``step_s_p90``: wall time of a full step (forward, backward, optimizer)
-  over the steps after warm-up; every step starts after a barrier and a step's time is the
-  slowest rank's. ``--steps`` counts all steps, warm-up included.
+Schedule. Each system is built and runs its first step (compilation) one system at a time;
+then all of them stay alive and their other steps are interleaved: every round runs
+``--round-steps`` steps of each system in turn, until each has run ``--steps`` steps in all,
+of which the first ``--warmup`` are not timed (the interleaved warm-up steps also absorb the
+recompilations one system's compilation can cause in another's shared frames; a timed step
+that still compiles is noted). A slow spell of the (shared) machine then hits every system
+in the same round instead of whichever system happened to be running, and the ratio between
+two systems is taken round by round. ``--sequential`` runs the systems one after the other
+instead, each alone (build, every step, profile, free): less memory, noisier ratios.
+
+Per system:
+
+- ``step_s_median`` / ``step_s_p10`` / ``step_s_p90``: wall time of a full step (forward,
+  backward, optimizer) over the timed steps; every step starts after a barrier on the
+  system's process group and a step's time is the slowest rank's.
+- ``graphshard_ratio``: graphshard-compiled's step time over this system's, per round (the
+  ratio of the two round medians), summarised by its median, p10, p90, min and max over the
+  rounds: below 1 means graphshard-compiled is faster.
 - ``compile_s``: the first step's time minus the median (first-step overhead; compilation
   for the compiled systems).
 - ``peak_mem_bytes``: peak tensor memory of the most loaded rank during one extra profiled
   step after the timed ones. CPU: the model state alive when the step starts (parameters,
   buffers, gradients and optimizer state, unique storages) plus the peak of the running sum
-  of the profiler's memory events in time order. CUDA: ``torch.cuda.max_memory_allocated``.
+  of the profiler's memory events in time order. CUDA: the step's rise of
+  ``torch.cuda.max_memory_allocated`` above the memory allocated when it starts, plus what
+  the system held then (the allocated memory it added from its build to the end of its
+  first step, so the other systems alive beside it are not counted).
 - ``collectives_per_step`` / ``bytes_per_step``: graphshard-compiled from
   ``graphshard.analysis.report.step_summary`` over the compiled graphs; the others from the
-  ``c10d::``
-  collective ops the profiler records during the profiled step. Bytes are what one rank sends
-  on a ring: ``(N-1)/N`` of the full buffer for all-gather, reduce-scatter and broadcast,
-  ``2(N-1)/N`` for all-reduce (the profiler records no dtype for tensor-list arguments; those
-  are counted at the element size of the model's parameters).
-- ``final_loss``: the loss of the last timed step, averaged over the ranks that trained.
+  ``c10d::`` collective ops the profiler records during the profiled step (in a fake world,
+  from the fake groups' own log). Bytes are what one rank sends on a ring: ``(N-1)/N`` of
+  the full buffer for all-gather, reduce-scatter and broadcast, ``2(N-1)/N`` for all-reduce
+  (the profiler records no dtype for tensor-list arguments; those are counted at the element
+  size of the model's parameters).
+- ``first_loss`` / ``final_loss``: the loss of the first and the last step, averaged over
+  the ranks that trained (same init and batches: the first losses of all systems agree).
 - ``predicted_step_s``: graphshard-compiled only, the cost model's forward+backward estimate
   (profile ``cpu-gloo`` on the CPU, ``h100-nvlink`` on CUDA; the optimizer is not modelled).
 
-A system that raises on some rank is recorded with its error in ``notes`` and the others
-still run: every rank catches, and the ranks meet on the store (not the process group, whose
-pending operations a failure can leave mismatched) before the next system.
+``--fake-world N`` runs one process as rank 0 of N ranks (:mod:`bench.fake_world`): the
+collectives are computed locally with real data (a gather tiles this rank's shard), so the
+times are the compute side of an N-rank step without the network.
+
+A system that cannot be built because its package is missing (SimpleFSDP without
+torchtitan) is recorded as skipped, and one that raises on some rank as failed, with the
+(shortened) exception in ``notes``; the others still run. Every rank catches, the ranks meet
+on the store (not a process group) after each phase, and each system has a process group of
+its own, so a failure that leaves one system's collectives mismatched does not touch the
+others'.
 """
 
 from __future__ import annotations
@@ -38,11 +65,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,15 +80,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.comm import count_collectives, graphshard_summary, zero3_bytes
+from bench.comm import count_collectives, count_logged, graphshard_summary, zero3_bytes
 from bench.memory import local_tensor, peak_allocated, state_bytes
-from bench.report import FIELDS, machine_info, summarize, to_markdown
-from bench.systems import SYSTEMS, BenchContext, System, build_system
+from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
+from bench.systems import SYSTEMS, BenchContext, PeerUnavailable, System, build_system
 from bench.timing import sync, train_step
 from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import CONFIGS, llama_config
 
-__all__ = ["main", "parse_args", "to_markdown", "zero3_bytes", "FIELDS"]
+__all__ = ["main", "parse_args", "to_markdown", "zero3_bytes", "FIELDS", "describe_exception"]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -69,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line."""
     parser = argparse.ArgumentParser(
         prog="python -m bench.step",
-        description="Benchmark graphshard against FSDP2, DDP and one process, step by step.",
+        description="Benchmark graphshard against FSDP2, SimpleFSDP, DDP and one process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
@@ -82,6 +111,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems", nargs="+", default=list(SYSTEMS), help=f"subset of: {' '.join(SYSTEMS)}"
     )
+    parser.add_argument(
+        "--round-steps", type=int, default=1, help="steps of one system per interleaved round"
+    )
+    parser.add_argument(
+        "--sequential", action="store_true",
+        help="run the systems one after the other, each alone, instead of interleaved",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fake-world", type=int, default=None, metavar="N",
+        help="one process as rank 0 of N ranks, collectives computed locally (compute side)",
+    )  # fmt: skip
     parser.add_argument("--json", required=True, help="write the report here")
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
@@ -93,7 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=600.0, help="seconds a collective may wait"
     )
     args = parser.parse_args(argv)
-    args.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.world_size))
+    if args.fake_world is not None:
+        if args.fake_world < 1:
+            parser.error("--fake-world must be at least 1")
+        args.world_size = args.fake_world
+    args.processes = 1 if args.fake_world else args.world_size
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.processes))
     args.systems = list(dict.fromkeys(s for item in args.systems for s in item.split(",") if s))
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
@@ -102,27 +147,106 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-size must be at least 1")
     if not 1 <= args.warmup < args.steps:
         parser.error("need 1 <= --warmup < --steps (the first step is compile, never timed)")
+    if args.round_steps < 1:
+        parser.error("--round-steps must be at least 1")
     max_seq = llama_config(args.model).max_seq_len
     if not 2 <= args.seq_len <= max_seq:
         parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        parser.error(f"--device cuda needs {args.world_size} GPUs, found "
-                     f"{torch.cuda.device_count()}")
+    if args.device == "cuda" and torch.cuda.device_count() < args.processes:
+        parser.error(
+            f"--device cuda needs {args.processes} GPUs, found {torch.cuda.device_count()}"
+        )
     return args
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def describe_exception(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` (first lines, Dynamo's advice cut), and where it was raised: the
+    innermost three frames as ``package/module.py:function``, innermost first."""
+    message = str(exc).split("\n\nSet TORCH", 1)[0].split("\n\nYou can suppress", 1)[0]
+    lines = [line for line in message.strip().splitlines() if line.strip()][:3]
+    text = f"{type(exc).__name__}: {' / '.join(lines)}"
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    if frames:
+        where = [
+            f"{frame.filename.split('site-packages/')[-1]}:{frame.name}"
+            for frame in reversed(frames)
+        ]
+        text += f" (raised in {' <- '.join(where)})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------- measurement
 
 
-def profiled_step(system: System, tokens: torch.Tensor, device: torch.device) -> dict[str, Any]:
+@dataclass
+class Trial:
+    """A built system on this rank and what it has measured so far."""
+
+    name: str
+    system: System
+    data: SyntheticTokens
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    compiled: list[int] = field(default_factory=list)  # new Dynamo graphs, per step
+    rounds: list[int] = field(default_factory=list)  # the round of each step (-1: first)
+    resident_bytes: int = 0  # CUDA: memory the system added from build to its first step
+
+
+def _tokens(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device):
+    step = len(trial.times)
+    tokens = trial.data.batch(step, rank, args.batch_size, args.seq_len).to(device)
+    if trial.system.distributed:
+        dist.barrier(group=trial.system.group)  # every rank starts the step together
+    sync(device)
+    return tokens
+
+
+def _timed_step(
+    trial: Trial, args: argparse.Namespace, rank: int, device: torch.device, round_: int = -1
+) -> None:
+    from torch._dynamo.utils import counters
+
+    tokens = _tokens(trial, args, rank, device)
+    graphs = counters["stats"]["unique_graphs"]
+    start = time.perf_counter()
+    loss = train_step(trial.system, tokens)
+    sync(device)
+    trial.times.append(time.perf_counter() - start)
+    trial.losses.append(loss.item())
+    trial.compiled.append(counters["stats"]["unique_graphs"] - graphs)
+    trial.rounds.append(round_)
+
+
+def prepare(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -> Trial | None:
+    """Build ``name`` and run its first step; None where this rank has nothing to run."""
+    if name == "single-compiled" and rank != 0:
+        return None
+    cuda = ctx.device.type == "cuda"
+    before = torch.cuda.memory_allocated(ctx.device) if cuda else 0
+    trial = Trial(name, build_system(name, ctx), SyntheticTokens(ctx.cfg.vocab_size, args.seed))
+    _timed_step(trial, args, rank, ctx.device)
+    if cuda:
+        trial.resident_bytes = torch.cuda.memory_allocated(ctx.device) - before
+    return trial
+
+
+def profiled_step(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device):
     """Run one step under the profiler; return its peak tensor memory and collectives."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.fake_world import collective_log
+
+    system = trial.system
+    tokens = _tokens(trial, args, rank, device)
     on_cpu = device.type == "cpu"
     baseline = state_bytes(system) if on_cpu else 0
     if not on_cpu:
         torch.cuda.reset_peak_memory_stats(device)
-    with profile(
+        start_allocated = torch.cuda.memory_allocated(device)
+    with collective_log() as logged, profile(
         activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=on_cpu
     ) as prof:
         train_step(system, tokens)
@@ -131,41 +255,48 @@ def profiled_step(system: System, tokens: torch.Tensor, device: torch.device) ->
     if on_cpu:
         peak = baseline + peak_allocated(events)
     else:
-        peak = torch.cuda.max_memory_allocated(device)
+        rise = torch.cuda.max_memory_allocated(device) - start_allocated
+        peak = trial.resident_bytes + rise
     world_size = dist.get_world_size() if system.distributed else 1
-    param = next(system.module.parameters())
-    comm = count_collectives(events, world_size, local_tensor(param).element_size())
+    if args.fake_world:
+        comm = count_logged(logged, world_size)
+    else:
+        param = next(system.module.parameters())
+        comm = count_collectives(events, world_size, local_tensor(param).element_size())
     return {"peak_mem_bytes": int(peak), "comm": comm}
 
 
-def run_system(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -> dict:
-    """Build ``name``, train ``args.steps`` timed steps, then one profiled step, on this rank."""
-    if name == "single-compiled" and rank != 0:
-        return {"idle": True}
-    system = build_system(name, ctx)
-    data = SyntheticTokens(ctx.cfg.vocab_size, args.seed)
-
-    def next_batch(step: int) -> torch.Tensor:
-        tokens = data.batch(step, rank, args.batch_size, args.seq_len).to(ctx.device)
-        if system.distributed:
-            dist.barrier()  # every rank starts the step together
-        sync(ctx.device)
-        return tokens
-
-    times: list[float] = []
-    losses: list[float] = []
-    for step in range(args.steps):
-        tokens = next_batch(step)
-        start = time.perf_counter()
-        loss = train_step(system, tokens)
-        sync(ctx.device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    result = {"times": times, "losses": losses, "notes": list(system.notes)}
-    result.update(profiled_step(system, next_batch(args.steps), ctx.device))
-    if system.backend is not None:
-        result["summary"] = graphshard_summary(system, ctx.device)
+def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device) -> dict:
+    """The rank's result for a system whose timed steps are done: times, losses, profile."""
+    result: dict[str, Any] = {
+        "times": list(trial.times),
+        "losses": list(trial.losses),
+        "rounds": list(trial.rounds),
+        "notes": list(trial.system.notes),
+    }
+    recompiled = sum(1 for n in trial.compiled[args.warmup :] if n)
+    if recompiled:
+        result["notes"].append(
+            f"{recompiled} timed step(s) compiled new graphs (their times include compilation)"
+        )
+    result.update(profiled_step(trial, args, rank, device))
+    if trial.system.backend is not None:
+        result["summary"] = graphshard_summary(trial.system, device)
     return result
+
+
+def _attempt(fn, *args: Any) -> tuple[Any, dict | None]:
+    """``fn(*args)``, or None and a ``skipped`` / ``error`` entry (the exception, printed)."""
+    try:
+        return fn(*args), None
+    except PeerUnavailable as exc:
+        return None, {"skipped": str(exc)}
+    except Exception as exc:  # recorded, and the other systems still run
+        traceback.print_exc()
+        text = describe_exception(exc)
+        if "No module named 'triton'" in text:
+            text = f"needs triton, which is not installed (CPU-only torch): {text}"
+        return None, {"error": text}
 
 
 # ----------------------------------------------------------------------------- the ranks
@@ -179,9 +310,13 @@ def _exchange(store: dist.Store, tag: str, rank: int, world: int, payload: Any, 
     return [json.loads(store.get(key)) for key in keys]
 
 
-def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store, generation: int):
-    """Start the default process group (gloo, or NCCL on CUDA) under a fresh key prefix."""
-    store = dist.PrefixStore(f"pg{generation}", store)
+def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store) -> torch.device:
+    """Start the default process group: gloo, NCCL on CUDA, or a fake world of N ranks."""
+    if args.fake_world:
+        from bench.fake_world import init_fake_world
+
+        init_fake_world(args.fake_world, rank=0, device=args.device)
+        return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     timeout = timedelta(seconds=args.timeout)
     if args.device == "cuda":
         device = torch.device("cuda", rank)
@@ -189,7 +324,7 @@ def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store, 
         dist.init_process_group(
             "nccl", store=store, rank=rank, world_size=args.world_size, timeout=timeout,
             device_id=device,
-        )
+        )  # fmt: skip
         return device
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=args.world_size, timeout=timeout
@@ -197,43 +332,105 @@ def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store, 
     return torch.device("cpu")
 
 
-def _run_isolated(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -> dict:
-    """``run_system``, with any exception turned into an ``error`` entry (printed here)."""
-    try:
-        return run_system(name, ctx, args, rank)
-    except Exception as exc:  # recorded, and the next system still runs
-        traceback.print_exc()
-        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    finally:
+def _configure_dynamo() -> None:
+    """Let the systems, which share the model's code objects, compile side by side.
+
+    Each keeps its own static frames: Dynamo's default limit of 8 entries per code object
+    would silently send the ninth system to eager, and automatic dynamic shapes would take
+    one system's shapes (a sharded weight) differing from another's (the full weight) for a
+    shape that changes, and recompile the first system dynamic in its timed steps.
+    """
+    config = torch._dynamo.config
+    config.automatic_dynamic_shapes = False
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))
+            return
+
+
+class _Rank:
+    """One rank's run of a group of systems that are alive together: warm-up one by one,
+    interleaved timed rounds, a profiled step each. Ranks agree on the store after each
+    phase, so a system that fails anywhere is dropped everywhere."""
+
+    def __init__(self, rank: int, args: argparse.Namespace, ctx: BenchContext, store):
+        self.rank, self.args, self.ctx, self.store = rank, args, ctx, store
+        self.wait_s = max(3600.0, 3 * args.timeout)
+        self.calls = 0
+
+    def agree(self, payload: Any) -> list[Any]:
+        """All processes' payloads (in rank order)."""
+        self.calls += 1
+        return _exchange(
+            self.store, str(self.calls), self.rank, self.args.processes, payload, self.wait_s
+        )
+
+    def run(self, names: list[str]) -> dict[str, list[dict]]:
+        """Every process's result per system name (see :func:`bench.report.summarize`)."""
+        args, rank, device = self.args, self.rank, self.ctx.device
+        outcome: dict[str, dict] = {}  # this rank's final entry for a dropped system
+        live: dict[str, Trial | None] = {}
+        for name in names:
+            trial, failure = _attempt(prepare, name, self.ctx, args, rank)
+            statuses = self.agree(failure or {})
+            if any(statuses):
+                outcome[name] = failure or {"error": "stopped: another rank failed"}
+            else:
+                live[name] = trial
+        remaining = args.steps - 1
+        for round_ in range(math.ceil(remaining / args.round_steps)):
+            steps = min(args.round_steps, remaining)
+            remaining -= steps
+            failed: dict[str, dict] = {}
+            for name, trial in live.items():
+                if trial is None:
+                    continue
+                for _ in range(steps):
+                    _, failure = _attempt(_timed_step, trial, args, rank, device, round_)
+                    if failure:
+                        failed[name] = failure
+                        break
+            dropped = {name for entries in self.agree(list(failed)) for name in entries}
+            for name in dropped:
+                outcome[name] = failed.get(name, {"error": "stopped: another rank failed"})
+                del live[name]
+        results: dict[str, list[dict]] = {}
+        for name in names:
+            if name in live:
+                trial = live[name]
+                if trial is None:
+                    entry = {"idle": True}
+                else:
+                    result, failure = _attempt(finish, trial, args, rank, device)
+                    entry = failure or result
+            else:
+                entry = outcome[name]
+            results[name] = self.agree(entry)
+        live.clear()
         torch._dynamo.reset()
         gc.collect()
+        return results
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
-    """One rank: run every system, meet the other ranks on the store after each.
-
-    After a failure the process group is replaced by a new one: a rank that failed alone
-    leaves the others timed out in a collective, and gloo then closes the connections.
-    """
+    """One process: run every system (interleaved, or one group per system with
+    ``--sequential``); rank 0 writes the records."""
     torch.set_num_threads(args.threads)
-    store = dist.FileStore(store_path, args.world_size)
-    generation = 0
-    device = _init_process_group(rank, args, store, generation)
+    _configure_dynamo()
+    store = dist.FileStore(store_path, args.processes)
+    device = _init_process_group(rank, args, dist.PrefixStore("pg", store))
     ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size)
-    wait_s = max(3600.0, 3 * args.timeout)
+    runner = _Rank(rank, args, ctx, store)
+    groups = [[name] for name in args.systems] if args.sequential else [args.systems]
     records = []
     try:
-        for name in args.systems:
-            result = _run_isolated(name, ctx, args, rank)
-            per_rank = _exchange(store, name, rank, args.world_size, result, wait_s)
-            if rank == 0:
-                records.append(summarize(name, per_rank, args.warmup))
-                _progress(records[-1])
-            if any("error" in res for res in per_rank):
-                dist.destroy_process_group()
-                generation += 1
-                _init_process_group(rank, args, store, generation)
+        for names in groups:
+            for name, per_rank in runner.run(names).items():
+                if rank == 0:
+                    records.append(summarize(name, per_rank, args.warmup))
+                    _progress(records[-1])
         if rank == 0:
+            add_ratios(records)
             Path(out_path).write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()
@@ -241,21 +438,22 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
 
 def _progress(record: dict) -> None:
     median = record["step_s_median"]
-    shown = "failed" if median is None else f"{median * 1e3:.1f} ms/step"
-    print(f"[bench] {record['system']}: {shown}", file=sys.stderr, flush=True)
+    shown = "no timing" if median is None else f"{median * 1e3:.1f} ms/step"
+    note = "" if median is not None else f" ({(record['notes'] or '')[:160]})"
+    print(f"[bench] {record['system']}: {shown}{note}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the run
 
 
 def _spawn(args: argparse.Namespace) -> list[dict]:
-    """Run the ranks; return rank 0's records (one per system)."""
+    """Run the processes; return rank 0's records (one per system)."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         out_path = os.path.join(tmp, "records.json")
         mp.start_processes(
             _worker,
             args=(args, os.path.join(tmp, "store"), out_path),
-            nprocs=args.world_size,
+            nprocs=args.processes,
             join=True,
             start_method="spawn",
         )

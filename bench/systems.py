@@ -8,15 +8,39 @@ times, memory and losses can be read side by side:
 - ``graphshard-eager``: the sharded model without ``torch.compile`` (one gather per use)
 - ``fsdp2-eager``: ``fully_shard`` on every block of ``model.layers``, then on the root
 - ``fsdp2-compiled``: the same, then ``torch.compile(model)`` (Inductor)
+- ``fsdp2-prefetch-eager`` / ``fsdp2-prefetch-compiled``: the same with explicit prefetch,
+  one block ahead: block i prefetches block i+1 in forward
+  (``set_modules_to_forward_prefetch``) and block i-1 in backward
+  (``set_modules_to_backward_prefetch``)
+- ``simplefsdp-compiled``: torchtitan's SimpleFSDP (``data_parallel(model, mesh,
+  mode="fully_shard")`` from ``torchtitan.experiments.graph_trainer.simple_fsdp``, torchtitan
+  0.3.0, the ``bench`` extra), then ``torch.compile(fullgraph=True)`` with Inductor and no
+  collective pass: one all-gather and one reduce-scatter per parameter
+- ``simplefsdp-block-bucketing``: the same with Inductor's
+  ``overlap_manual_scheduling.manual_overlap_bucketing`` as the post-grad pass, one bucket per
+  transformer block (plus the embedding, and the final norm with the output layer), set up
+  as torchtitan's graph_trainer JIT backend sets up its ``transformer_block_bucketing``
+- ``simplefsdp-auto-bucketing``: the same with
+  ``overlap_scheduling.schedule_overlap_bucketing_from_inductor_configs``, set up as that
+  backend's ``auto_bucketing``
 - ``ddp-compiled``: ``DistributedDataParallel`` + ``torch.compile`` (no sharding)
 - ``single-compiled``: rank 0 alone trains the unsharded model compiled with Inductor on its
   local batch (the compute floor); the other ranks wait.
+
+Every distributed system gets a process group of its own (``dist.new_group`` over all ranks),
+so a failure that leaves one system's collectives mismatched leaves the others usable, and
+the systems can stay alive side by side while the benchmark interleaves their steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +52,14 @@ from graphshard.models.llama import Llama, LlamaConfig
 
 __all__ = [
     "SYSTEMS",
+    "SIMPLEFSDP_MODES",
     "BenchContext",
+    "PeerUnavailable",
     "System",
+    "block_bucket_plans",
     "build_model",
     "build_system",
+    "private_llama_class",
 ]
 
 SYSTEMS: tuple[str, ...] = (
@@ -39,9 +67,27 @@ SYSTEMS: tuple[str, ...] = (
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-compiled",
+    "fsdp2-prefetch-eager",
+    "fsdp2-prefetch-compiled",
+    "simplefsdp-compiled",
+    "simplefsdp-block-bucketing",
+    "simplefsdp-auto-bucketing",
     "ddp-compiled",
     "single-compiled",
 )
+
+# SimpleFSDP system -> the graph_trainer JIT pass it is compiled with (None: no pass).
+SIMPLEFSDP_MODES: dict[str, str | None] = {
+    "simplefsdp-compiled": None,
+    "simplefsdp-block-bucketing": "transformer_block_bucketing",
+    "simplefsdp-auto-bucketing": "auto_bucketing",
+}
+
+TORCHTITAN = "torchtitan==0.3.0"
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer system cannot be built here (its package is missing): skipped, not failed."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +107,9 @@ class System:
 
     ``run`` maps a batch of token ids to the model output (``.loss``); ``module`` is the module
     whose parameters, buffers and gradients are the model state (for memory accounting);
-    ``distributed`` is False when only this rank trains (no barriers, no collectives).
+    ``distributed`` is False when only this rank trains (no barriers, no collectives);
+    ``group`` is the system's own process group; every step runs inside ``context()``
+    (compiler settings that must hold while its graphs compile, forward and backward).
     """
 
     name: str
@@ -71,82 +119,239 @@ class System:
     distributed: bool = True
     backend: GraphshardBackend | None = None
     notes: list[str] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def build_model(ctx: BenchContext) -> Llama:
-    """The same freshly initialised model on every rank and for every system."""
+_PRIVATE_CLASSES: dict[str, type[Llama]] = {}
+
+
+def private_llama_class(owner: str) -> type[Llama]:
+    """``Llama`` from a private copy of its module, for ``owner`` alone.
+
+    Dynamo keeps its state per code object: the graphs compiled for a function, and the
+    decision to run a function eagerly from then on when it cannot compile it whole (FSDP2
+    under ``torch.compile`` makes it give up on ``Llama.forward`` that way). Systems sharing
+    the model's code in one process would change each other's graphs, so each system's
+    model runs code of its own: the same source, executed again as another module.
+    """
+    if owner not in _PRIVATE_CLASSES:
+        source = sys.modules[Llama.__module__]
+        name = "_bench_model_" + re.sub(r"\W", "_", owner)
+        spec = importlib.util.spec_from_file_location(name, source.__file__)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # a real module: SimpleFSDP registers classes in it
+        spec.loader.exec_module(module)
+        _PRIVATE_CLASSES[owner] = module.Llama
+    return _PRIVATE_CLASSES[owner]
+
+
+def build_model(ctx: BenchContext, owner: str | None = None) -> Llama:
+    """The same freshly initialised model on every rank and for every system; with
+    ``owner``, an instance of that system's private class (:func:`private_llama_class`)."""
+    cls = Llama if owner is None else private_llama_class(owner)
     torch.manual_seed(ctx.seed)
-    return Llama(ctx.cfg).to(ctx.device)
+    return cls(ctx.cfg).to(ctx.device)
+
+
+class _OwnInductor(torch._TorchCompileInductorWrapper):
+    """Inductor (``torch.compile``'s default backend), equal only to itself.
+
+    Dynamo reuses a compiled frame for any equal backend, and two plain Inductor backends
+    with the same options are equal: a second system of the same model class (SimpleFSDP's
+    three modes, FSDP2 with and without prefetch) would then run the first one's graphs,
+    compiled with the first one's passes.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _compile(model: nn.Module, options: dict[str, Any] | None = None, **kwargs: Any):
+    """``torch.compile(model)`` with Inductor under ``options``, compiled for this system only."""
+    return torch.compile(model, backend=_OwnInductor(None, options, None), **kwargs)
 
 
 def _adamw(module: nn.Module, ctx: BenchContext) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=ctx.lr)
 
 
-def _graphshard(ctx: BenchContext, compiled: bool) -> System:
-    model = graphshard.shard(build_model(ctx))
+def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, ctx.device.type)
+
+
+def _graphshard(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool) -> System:
+    name = "graphshard-compiled" if compiled else "graphshard-eager"
+    model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx))
     if not compiled:
-        return System("graphshard-eager", model, model, _adamw(model, ctx))
+        return System("graphshard-eager", model, model, _adamw(model, ctx), group=group)
     backend = graphshard.backend()
     run = torch.compile(model, backend=backend)
-    return System("graphshard-compiled", run, model, _adamw(model, ctx), backend=backend)
+    return System(
+        "graphshard-compiled", run, model, _adamw(model, ctx), backend=backend, group=group
+    )
 
 
-def _fsdp2(ctx: BenchContext, compiled: bool) -> System:
-    from torch.distributed.device_mesh import init_device_mesh
+def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch: bool):
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    model = build_model(ctx)
-    for block in model.layers:
+    name = "fsdp2" + ("-prefetch" if prefetch else "") + ("-compiled" if compiled else "-eager")
+    mesh = _mesh(group, ctx)
+    model = build_model(ctx, name)
+    blocks = list(model.layers)
+    for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    run = torch.compile(model) if compiled else model
-    name = "fsdp2-compiled" if compiled else "fsdp2-eager"
-    return System(name, run, model, _adamw(model, ctx))
+    if prefetch:  # one block ahead, both directions
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    run = _compile(model) if compiled else model
+    return System(name, run, model, _adamw(model, ctx), group=group)
 
 
-def _ddp_compiled(ctx: BenchContext) -> System:
+def block_bucket_plans(model: nn.Module) -> list[list[str] | str]:
+    """Module FQN buckets for ``manual_overlap_bucketing``, as torchtitan's graph_trainer
+    ``get_transformer_block_buckets`` builds them: the embedding, the final norm with the
+    output layer, then one bucket per transformer block."""
+    plans: list[list[str] | str] = ["tok_embeddings", ["norm", "output"]]
+    return plans + [f"layers.{i}" for i in range(len(model.layers))]
+
+
+def _inductor_settings(jit_pass: str | None, plans: list[list[str] | str]) -> dict[str, Any]:
+    """The Inductor config graph_trainer's JIT backend sets for ``jit_pass`` (its
+    ``apply_compile`` and ``get_compile_backend_with_passes``, torchtitan 0.3.0)."""
+    settings: dict[str, Any] = {"reorder_for_peak_memory": False}
+    if jit_pass is None:
+        return settings
+    settings.update(
+        allow_buffer_reuse=False,
+        reorder_for_peak_memory=False,
+        reorder_for_compute_comm_overlap=False,
+    )
+    if jit_pass == "transformer_block_bucketing":
+        from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
+
+        def block_bucketing(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+            return manual_overlap_bucketing(
+                graph.owning_module, module_bucket_plans=plans, insert_overlap_deps=True
+            )
+
+        settings["post_grad_custom_post_pass"] = block_bucketing
+    elif jit_pass == "auto_bucketing":
+        from torch._inductor.fx_passes.overlap_scheduling import (
+            schedule_overlap_bucketing_from_inductor_configs,
+        )
+
+        def auto_bucketing(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+            return schedule_overlap_bucketing_from_inductor_configs(graph.owning_module)
+
+        settings.update(
+            {
+                "aten_distributed_optimizations.collective_bucketing": True,
+                "aten_distributed_optimizations.insert_overlap_deps": True,
+                "post_grad_custom_post_pass": auto_bucketing,
+            }
+        )
+    else:
+        raise ValueError(f"unknown graph_trainer pass {jit_pass!r}")
+    return settings
+
+
+def _compile_context(settings: dict[str, Any]) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context that holds Inductor ``settings`` (also passed as the backend's options) and
+    graph_trainer's Dynamo setting while a step traces and compiles, forward and backward."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    @contextlib.contextmanager
+    def context():
+        with inductor_config.patch(settings), dynamo_config.patch(capture_scalar_outputs=True):
+            yield
+
+    return context
+
+
+def _simple_fsdp(ctx: BenchContext, group: dist.ProcessGroup, name: str) -> System:
+    try:
+        from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+    except ImportError as exc:
+        raise PeerUnavailable(
+            f"torchtitan is not installed ({type(exc).__name__}: {exc}); install the bench "
+            f"extra: pip install -e '.[bench]' (or pip install --no-deps {TORCHTITAN} "
+            "spmd_types==0.2.3 tyro)"
+        ) from exc
+    model = data_parallel(build_model(ctx, name), _mesh(group, ctx), mode="fully_shard")
+    settings = _inductor_settings(SIMPLEFSDP_MODES[name], block_bucket_plans(model))
+    run = _compile(model, settings, fullgraph=True)  # as graph_trainer's JIT mode compiles
+    return System(
+        name, run, model, _adamw(model, ctx), group=group, context=_compile_context(settings)
+    )
+
+
+def _ddp_compiled(ctx: BenchContext, group: dist.ProcessGroup) -> System:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build_model(ctx)
+    model = build_model(ctx, "ddp-compiled")
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
     notes = []
     if ctx.device.type == "cpu":
         notes.append(
             "peak_mem_bytes leaves out DDP's gradient buckets (held in C++ from construction, "
             "about one copy of the parameters)"
         )
-    return System("ddp-compiled", torch.compile(ddp), model, _adamw(model, ctx), notes=notes)
+    return System(
+        "ddp-compiled", _compile(ddp), model, _adamw(model, ctx), notes=notes, group=group
+    )
 
 
-def _single_compiled(ctx: BenchContext) -> System:
-    model = build_model(ctx)
+def _single_compiled(ctx: BenchContext, group: None) -> System:
+    model = build_model(ctx, "single-compiled")
     notes = [
         f"rank 0 alone trains on its local batch (1/{ctx.world_size} of the global batch): "
         "final_loss is rank 0's loss, so it follows a different trajectory than the "
         "distributed systems' global-batch loss"
     ]
     return System(
-        "single-compiled", torch.compile(model), model, _adamw(model, ctx), False, notes=notes
+        "single-compiled", _compile(model), model, _adamw(model, ctx), False, notes=notes
     )
 
 
-_BUILDERS: dict[str, Callable[[BenchContext], System]] = {
-    "graphshard-compiled": lambda ctx: _graphshard(ctx, compiled=True),
-    "graphshard-eager": lambda ctx: _graphshard(ctx, compiled=False),
-    "fsdp2-eager": lambda ctx: _fsdp2(ctx, compiled=False),
-    "fsdp2-compiled": lambda ctx: _fsdp2(ctx, compiled=True),
+_BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
+    "graphshard-compiled": lambda ctx, g: _graphshard(ctx, g, compiled=True),
+    "graphshard-eager": lambda ctx, g: _graphshard(ctx, g, compiled=False),
+    "fsdp2-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=False),
+    "fsdp2-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=False),
+    "fsdp2-prefetch-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=True),
+    "fsdp2-prefetch-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=True),
+    **{
+        name: (lambda ctx, g, name=name: _simple_fsdp(ctx, g, name))
+        for name in SIMPLEFSDP_MODES
+    },
     "ddp-compiled": _ddp_compiled,
     "single-compiled": _single_compiled,
 }
 
 
 def build_system(name: str, ctx: BenchContext) -> System:
-    """Build the system ``name`` (one of :data:`SYSTEMS`) from a fresh model."""
+    """Build the system ``name`` (one of :data:`SYSTEMS`) from a fresh model.
+
+    Every rank must call it for the same names in the same order: a distributed system
+    creates its own process group over all ranks (a collective call). Raises
+    :class:`PeerUnavailable` for a peer whose package is not installed.
+    """
     if name not in _BUILDERS:
         raise KeyError(f"Unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-    if name != "single-compiled" and not dist.is_initialized():
+    if name == "single-compiled":
+        return _BUILDERS[name](ctx, None)
+    if not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised process group")
-    return _BUILDERS[name](ctx)
+    return _BUILDERS[name](ctx, dist.new_group())

@@ -15,20 +15,23 @@ from bench.systems import System
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
-    """One full step: forward, backward, optimizer step, gradients set to None."""
-    loss = system.run(tokens).loss
-    loss.backward()
-    system.optimizer.step()
-    system.optimizer.zero_grad(set_to_none=True)
+    """One full step inside the system's context: forward, backward, optimizer step,
+    gradients set to None."""
+    with system.context():
+        loss = system.run(tokens).loss
+        loss.backward()
+        system.optimizer.step()
+        system.optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in [0, 100])."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
@@ -39,17 +42,49 @@ def _finite(x: float | None) -> float | None:
 
 
 def step_stats(ranks: list[dict], warmup: int) -> dict[str, Any]:
-    """Step-time statistics (a step takes as long as its slowest rank) and the losses."""
+    """Step-time statistics (a step takes as long as its slowest rank) and the losses.
+
+    Each rank's ``times`` holds every step, the first ``warmup`` untimed, and ``rounds`` the
+    round each step ran in; ``round_step_s`` is the median step time of each round's timed
+    steps, the series the ratios between systems are taken from (:func:`round_ratios`).
+    """
     step_times = [max(ts) for ts in zip(*(res["times"] for res in ranks), strict=True)]
     timed = step_times[warmup:]
+    rounds = ranks[0].get("rounds") or list(range(len(step_times)))
+    by_round: dict[int, list[float]] = {}
+    for round_, step_s in zip(rounds[warmup:], timed, strict=True):
+        by_round.setdefault(round_, []).append(step_s)
     median = statistics.median(timed)
     loss_per_step = [
         statistics.fmean(ls) for ls in zip(*(res["losses"] for res in ranks), strict=True)
     ]
     return {
         "step_s_median": median,
-        "step_s_p90": _percentile(timed, 90),
+        "step_s_p10": percentile(timed, 10),
+        "step_s_p90": percentile(timed, 90),
         "compile_s": step_times[0] - median,
+        "first_loss": _finite(loss_per_step[0]),
+        "first_loss_by_rank": [_finite(res["losses"][0]) for res in ranks],
         "final_loss": _finite(loss_per_step[-1]),
         "loss_per_step": loss_per_step,
+        "round_step_s": [statistics.median(by_round[r]) for r in sorted(by_round)],
+    }
+
+
+def round_ratios(numerator: list[float], denominator: list[float]) -> dict[str, Any] | None:
+    """Round-by-round ratio of two systems' round medians: its median, p10, p90, min, max.
+
+    Rounds interleave the systems, so both sides of one ratio ran at nearly the same time
+    and a slow spell of the machine divides out. None without a common round.
+    """
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=False) if a and b]
+    if not ratios:
+        return None
+    return {
+        "median": statistics.median(ratios),
+        "p10": percentile(ratios, 10),
+        "p90": percentile(ratios, 90),
+        "min": min(ratios),
+        "max": max(ratios),
+        "rounds": len(ratios),
     }
