@@ -17,8 +17,10 @@ it on the lowered graphs, per category:
 Accounting (what Inductor would do; ``fused=False`` instead counts every op as a kernel,
 as the graph runs with ``inductor=False``):
 
-- Graphshard's nodes are those the lowering made (``meta[LOWERED]``). Views move nothing;
-  collectives and waits are the wire, not counted here.
+- Graphshard's nodes are those the lowering made (``meta[LOWERED]``). Views move nothing,
+  nor do the ops Inductor removes before it schedules (a clone to the same strides, a cast
+  to the same dtype, a pad by nothing: its post-grad ``remove_noop_ops``); collectives and
+  waits are the wire, not counted here.
 - An op is fused into its consumer when it has exactly one (looking through views) and that
   consumer is pointwise: a pointwise op, ``cat``, ``constant_pad_nd``, a same-device copy,
   or a reduction of the model's compute. A fused op writes nothing; an op that feeds a
@@ -73,6 +75,8 @@ _CASTS = {prims.convert_element_type.default}
 _NO_READ = {aten.new_zeros.default, aten.zeros.default, aten.full.default,
             aten.scalar_tensor.default, aten.empty.memory_format}
 _LAYOUT = {aten.cat.default, aten.constant_pad_nd.default}
+_NOOPS = {aten.clone.default, aten.alias.default, prims.convert_element_type.default,
+          aten.constant_pad_nd.default, aten.cat.default}
 
 
 @dataclass(frozen=True)
@@ -140,15 +144,6 @@ def _is_wire(node: fx.Node) -> bool:
         "_c10d_functional")
 
 
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in VIEWS
-
-
-def _is_data(node: fx.Node) -> bool:
-    """A graphshard op that moves data (not a view, not the wire)."""
-    return _tag(node) is not None and not _is_view(node) and not _is_wire(node)
-
-
 def _is_device_copy(node: fx.Node) -> bool:
     return node.target is aten._to_copy.default and "device" in node.kwargs
 
@@ -162,23 +157,32 @@ def _bytes(node: fx.Node, numel: int | None = None) -> int:
     return (val.numel() if numel is None else numel) * val.element_size()
 
 
-def _consumers(node: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``node``'s data, looking through views (the output node too)."""
-    found, stack, seen = [], list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if _is_view(user):
-            stack.extend(user.users)
-        else:
-            found.append(user)
-    return found
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and va.shape == vb.shape and va.dtype == vb.dtype and va.device == vb.device
+            and va.stride() == vb.stride())
+
+
+def _noop(node: fx.Node) -> bool:
+    """An op Inductor drops before it schedules anything (its post-grad ``remove_noop_ops``):
+    a copy or cast to identical metadata, a pad by nothing, a cat of one tensor."""
+    if node.op != "call_function" or node.target not in _NOOPS:
+        return False
+    source = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+    if node.target is aten.cat.default and len(node.args[0]) != 1:
+        return False
+    if node.target is aten.constant_pad_nd.default and any(node.args[1]):
+        return False
+    return isinstance(source, fx.Node) and _same_meta(node, source)
+
+
+def _source(node: fx.Node) -> fx.Node:
+    return node.args[0][0] if node.target is aten.cat.default else node.args[0]
 
 
 def _pointwise(node: fx.Node) -> bool:
-    """Inductor computes its inputs inside its own kernel (they need not be written)."""
+    """Inductor computes this op's inputs inside its own kernel (they need not be written)."""
     if node.op != "call_function" or _is_wire(node) or _is_device_copy(node):
         return False
     if node.target in _LAYOUT or node.target is aten._to_copy.default:
@@ -189,75 +193,187 @@ def _pointwise(node: fx.Node) -> bool:
     return _tag(node) is None and torch.Tag.reduction in tags
 
 
-def _fused_away(node: fx.Node, fused: bool) -> bool:
-    """``node`` (a graphshard op) runs inside its one consumer's kernel."""
-    if not fused or _is_device_copy(node):
-        return False
-    consumers = _consumers(node)
-    return len(consumers) == 1 and _pointwise(consumers[0])
+class _Account:
+    """One graph's kernels, fused or op by op."""
 
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
 
-def _reads(root: fx.Node, fused: bool) -> tuple[list[tuple[fx.Node, fx.Node, int]], list[fx.Node]]:
-    """The kernel of ``root``: the inputs it reads (base, view read through, bytes) and the
-    graphshard ops it contains (``root`` and those fused into it)."""
-    reads: dict[tuple[fx.Node, int], tuple[fx.Node, fx.Node, int]] = {}
-    members, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        members.append(node)
-        if node.target in _NO_READ:
-            continue
-        for arg in node.all_input_nodes:
-            if not isinstance(arg.meta.get("val"), torch.Tensor):
-                continue  # a size, not data
-            base, least = arg, _val(arg).numel()
-            while _is_view(base):
-                base = base.args[0]
-                least = min(least, _val(base).numel())
-            if _is_data(base) and base is not root and _fused_away(base, fused):
-                stack.append(base)
+    def free(self, node: fx.Node) -> bool:
+        """Moves no data: a view, or (fused) an op Inductor removes."""
+        return node.op == "call_function" and (
+            node.target in VIEWS or (self.fused and _noop(node)))
+
+    def base(self, node: fx.Node) -> tuple[fx.Node, int]:
+        """Back through free ops to the data ``node`` shows, and the fewest elements on the
+        way (what a reader of ``node`` reads of it)."""
+        least = _val(node).numel()
+        while self.free(node):
+            node = node.args[0] if node.target in VIEWS else _source(node)
+            least = min(least, _val(node).numel())
+        return node, least
+
+    def is_data(self, node: fx.Node) -> bool:
+        """A graphshard op that moves data."""
+        return _tag(node) is not None and not self.free(node) and not _is_wire(node)
+
+    def consumers(self, node: fx.Node) -> list[fx.Node]:
+        """The nodes that read ``node``'s data, through free ops (the output node too)."""
+        found, stack, seen = [], list(node.users), set()
+        while stack:
+            user = stack.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            if self.free(user):
+                stack.extend(user.users)
             else:
-                reads[(base, least)] = (base, arg, _bytes(base, least))
-    return list(reads.values()), members
+                found.append(user)
+        return found
+
+    def fused_away(self, node: fx.Node) -> bool:
+        """``node`` runs inside its one consumer's kernel (a pointwise one)."""
+        if not self.fused or _is_device_copy(node):
+            return False
+        consumers = self.consumers(node)
+        return len(consumers) == 1 and _pointwise(consumers[0])
+
+    def kernel(self, root: fx.Node) -> tuple[list[tuple[fx.Node, fx.Node, int]], list[fx.Node]]:
+        """The kernel that writes ``root``: what it reads (base, the node read through,
+        bytes) and the graphshard ops it runs (``root`` and those fused into it)."""
+        reads: dict[tuple[fx.Node, int], tuple[fx.Node, fx.Node, int]] = {}
+        members, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            members.append(node)
+            if node.target in _NO_READ:
+                continue
+            for arg in node.all_input_nodes:
+                if not isinstance(arg.meta.get("val"), torch.Tensor):
+                    continue  # a size, not data
+                base, least = self.base(arg)
+                if self.is_data(base) and base is not root and self.fused_away(base):
+                    stack.append(base)
+                else:
+                    reads[(base, least)] = (base, arg, _bytes(base, least))
+        return list(reads.values()), members
+
+    def category(self, root: fx.Node, side: str, phase: str, reads) -> str:
+        """The copy that writes the collective's buffer is the copy-in (whatever is fused into
+        it); a cast kernel of its own is a cast; after the gather, a copy from a strided
+        column is the interleave."""
+        if _is_device_copy(root):
+            return "offload"
+        cast = root.target in _CASTS
+        feeds = phase == "pre" and any(_is_wire(c) for c in self.consumers(root))
+        if side == "unshard":
+            if phase == "pre":
+                return "cast" if cast and not feeds else "copy_in"
+            if cast:
+                return "cast"
+            strided = any(not _val(view).is_contiguous() for _, view, _ in reads)
+            return "interleave" if strided and phase == "post" else "copy_out"
+        if phase == "pre":
+            return "grad_cast" if cast and not feeds else "grad_copy_in"
+        return "grad_cast" if cast else "grad_other"
+
+    def leaves(self, start: fx.Node, members: set[fx.Node]) -> list[fx.Node]:
+        """What a bucket's buffer is built from: back from ``start`` through the bucket's own
+        ops to other nodes (offload copies included: they count on their own)."""
+        found: list[fx.Node] = []
+        stack, seen = [start], set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node not in members or _is_device_copy(node):
+                found.append(node)
+            elif node.target not in _NO_READ:
+                stack.extend(node.all_input_nodes)
+        return found
+
+    def graph(self, graph: fx.Graph) -> Traffic:
+        groups: dict[tuple[str, int], list[fx.Node]] = {}
+        for node in graph.nodes:
+            tag = _tag(node)
+            if tag is not None:
+                groups.setdefault((tag["side"], tag["bucket"]), []).append(node)
+        moved = dict.fromkeys(CATEGORIES, 0)
+        minimum = dict.fromkeys(CATEGORIES, 0)
+        kernels = 0
+        for (side, _), nodes in groups.items():
+            collective = next((n for n in nodes if _is_wire(n)
+                               and n.target is not c10d.wait_tensor.default
+                               and n.target is not c10d.all_reduce.default), None)
+            before = _ancestors(collective, set(nodes)) if collective is not None else set()
+            for _, category, size, pad in self.kernels(side, nodes, collective, before):
+                moved[category] += size
+                moved["padding" if side == "unshard" else "grad_padding"] += pad
+                kernels += 1
+            for category, size in self.bucket_minimum(side, nodes, collective, before):
+                minimum[category] += size
+        return Traffic(moved, minimum, kernels)
+
+    def kernels(self, side, nodes, collective, before):
+        """One bucket's side, kernel by kernel: (phase, category, bytes, padding bytes)."""
+        for node in nodes:
+            if not self.is_data(node) or self.fused_away(node):
+                continue
+            reads, inside = self.kernel(node)
+            phase = "local" if collective is None else ("pre" if node in before else "post")
+            pad = _padding(inside)
+            yield (phase, self.category(node, side, phase, reads),
+                   sum(b for _, _, b in reads) + _bytes(node) - pad, pad)
+
+    def bucket_minimum(self, side, nodes, collective, before):
+        """(category, bytes) of the least one bucket's side must move (see the module doc)."""
+        for phase, category, size, _ in self.kernels(side, nodes, collective, before):
+            if category in ("offload", "grad_other") or (
+                category in ("cast", "grad_cast") and phase != "pre"
+            ):
+                yield category, size  # what the semantics ask for
+        if collective is None:
+            return
+        members = set(nodes)
+        buffer = collective.args[0]
+        leaves = self.leaves(buffer, members)
+        pad = _padding([n for n in before if self.is_data(n)])
+        yield ("padding" if side == "unshard" else "grad_padding"), pad
+        world = collective.args[1] if side == "unshard" else collective.args[2]
+        whole = world == 1 or (
+            len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
+            and _val(leaves[0]).numel() == _val(buffer).numel()
+            and _val(leaves[0]).is_contiguous())
+        if not whole:
+            yield (("copy_in" if side == "unshard" else "grad_copy_in"),
+                   sum(_bytes(leaf) for leaf in leaves) + _bytes(buffer) - pad)
+        elif world == 1:  # no buffer is needed, only the casts (the shard is the parameter)
+            itemsize = _val(buffer).element_size()
+            yield ("cast" if side == "unshard" else "grad_cast"), sum(
+                _bytes(leaf) + _val(leaf).numel() * itemsize for leaf in leaves
+                if _val(leaf).dtype != _val(buffer).dtype)
+        if side == "unshard" and world > 1 and len(leaves) > 1:
+            outputs = {n for n in nodes if n not in before and n is not collective
+                       and any(u not in members for u in n.users)}
+            yield "interleave", sum(2 * _bytes(n) for n in outputs
+                                    if not self.fused_into_compute(n))
+
+    def fused_into_compute(self, node: fx.Node) -> bool:
+        """A parameter Inductor reads from the gathered buffer inside its one (pointwise)
+        consumer: it need not be materialised."""
+        consumers = self.consumers(node)
+        return self.fused and len(consumers) == 1 and _pointwise(consumers[0])
+
+
+def _graph_traffic(graph: fx.Graph, fused: bool) -> Traffic:
+    return _Account(fused).graph(graph)
 
 
 def _padding(members: list[fx.Node]) -> int:
     """Bytes of zeros the padding ops among ``members`` write."""
     return sum(_bytes(n) - _bytes(n.args[0]) for n in members
                if n.target is aten.constant_pad_nd.default)
-
-
-def _phase(node: fx.Node, collective: fx.Node | None, before: set[fx.Node]) -> str:
-    if collective is None:
-        return "local"
-    return "pre" if node in before else "post"
-
-
-def _category(root: fx.Node, side: str, phase: str, reads) -> str:
-    """A kernel's category: the copy that writes the collective's buffer is the copy-in
-    (whatever is fused into it); a cast kernel of its own is a cast; after the gather, a
-    copy from a strided column is the interleave."""
-    if _is_device_copy(root):
-        return "offload"
-    cast = root.target in _CASTS
-    feeds = phase == "pre" and any(_is_wire(c) for c in _consumers(root))
-    if side == "unshard":
-        if phase == "pre":
-            return "cast" if cast and not feeds else "copy_in"
-        if cast:
-            return "cast"
-        strided = any(not _val(view).is_contiguous() for _, view, _ in reads)
-        return "interleave" if strided and phase == "post" else "copy_out"
-    if phase == "pre":
-        return "grad_cast" if cast and not feeds else "grad_copy_in"
-    return "grad_cast" if cast else "grad_other"
-
-
-def _fused_into_compute(node: fx.Node, fused: bool) -> bool:
-    """A parameter Inductor reads straight from the gathered buffer inside its one (pointwise)
-    consumer: it need not be materialised."""
-    consumers = _consumers(node)
-    return fused and len(consumers) == 1 and _pointwise(consumers[0])
 
 
 def _ancestors(node: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
@@ -269,81 +385,3 @@ def _ancestors(node: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
                 found.add(arg)
                 stack.append(arg)
     return found
-
-
-def _leaves(start: fx.Node, members: set[fx.Node]) -> list[fx.Node]:
-    """The inputs a bucket's buffer is built from: back from ``start`` through the bucket's
-    own ops, stopping at other nodes (and at offload copies, accounted on their own)."""
-    found: list[fx.Node] = []
-    stack, seen = [start], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in members and not _is_device_copy(node) and node.target not in _NO_READ:
-            stack.extend(node.all_input_nodes)
-        elif node not in members or _is_device_copy(node):
-            found.append(node)
-    return found
-
-
-def _graph_traffic(graph: fx.Graph, fused: bool) -> Traffic:
-    groups: dict[tuple[str, int], list[fx.Node]] = {}
-    for node in graph.nodes:
-        tag = _tag(node)
-        if tag is not None:
-            groups.setdefault((tag["side"], tag["bucket"]), []).append(node)
-    moved = dict.fromkeys(CATEGORIES, 0)
-    minimum = dict.fromkeys(CATEGORIES, 0)
-    kernels = 0
-    for (side, _), nodes in groups.items():
-        members = set(nodes)
-        collective = next((n for n in nodes if _is_wire(n)
-                           and n.target is not c10d.wait_tensor.default
-                           and n.target is not c10d.all_reduce.default), None)
-        before = _ancestors(collective, members) if collective is not None else set()
-        pad_cat = "padding" if side == "unshard" else "grad_padding"
-        semantic = dict.fromkeys(CATEGORIES, 0)  # what the minimum takes at its moved bytes
-        for node in nodes:
-            if not _is_data(node) or _fused_away(node, fused):
-                continue
-            reads, inside = _reads(node, fused)
-            phase = _phase(node, collective, before)
-            category = _category(node, side, phase, reads)
-            pad = _padding(inside)
-            size = sum(b for _, _, b in reads) + _bytes(node)
-            moved[category] += size - pad
-            moved[pad_cat] += pad
-            kernels += 1
-            if category in ("offload", "grad_other") or (
-                category in ("cast", "grad_cast") and phase != "pre"
-            ):
-                semantic[category] += size - pad
-        for key, value in semantic.items():
-            minimum[key] += value
-        if collective is None:
-            continue
-        buffer = collective.args[0]
-        leaves = _leaves(buffer, members)
-        pad = _padding([n for n in before if _is_data(n)])
-        minimum[pad_cat] += pad
-        world = collective.args[1] if side == "unshard" else collective.args[2]
-        whole = world == 1 or (
-            len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
-            and _val(leaves[0]).numel() == _val(buffer).numel()
-            and _val(leaves[0]).is_contiguous())
-        if not whole:
-            copy_in = "copy_in" if side == "unshard" else "grad_copy_in"
-            minimum[copy_in] += sum(_bytes(leaf) for leaf in leaves) + _bytes(buffer) - pad
-        elif world == 1:  # no buffer is needed, only the casts (the shard is the parameter)
-            itemsize = _val(buffer).element_size()
-            minimum["cast" if side == "unshard" else "grad_cast"] += sum(
-                _bytes(leaf) + _val(leaf).numel() * itemsize for leaf in leaves
-                if _val(leaf).dtype != _val(buffer).dtype)
-        if side == "unshard" and world > 1 and len(leaves) > 1:
-            outputs = {n for n in nodes if n not in before and n is not collective
-                       and any(u not in members for u in n.users)}
-            minimum["interleave"] += sum(2 * _bytes(n) for n in outputs
-                                         if not _fused_into_compute(n, fused))
-    return Traffic(moved, minimum, kernels)

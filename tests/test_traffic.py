@@ -180,6 +180,22 @@ def test_a_strided_gradient_copied_first_costs_a_kernel_op_by_op():
     assert t.minimum["grad_copy_in"] == (12 + 3 + 16 - 1) * F32
 
 
+def test_a_clone_inductor_drops_costs_nothing_fused():
+    """A dense gradient cloned to the same strides: Inductor removes the clone (a no-op in a
+    functional graph), so the reduce-scatter reads the gradient itself; op by op it is a
+    copy, more than the minimum (nothing)."""
+    b = Builder()
+    g = b.input("g", 4, 3)
+    with b.lowered("reduce_grad"):
+        flat = b(aten.view.default, b(aten.clone.default, g), [-1])
+        piece = b(c10d.wait_tensor.default,
+                  b(c10d.reduce_scatter_tensor.default, flat, "avg", 2, "0"))
+    gm = b.module(piece)
+    fused = traffic(gm)
+    assert fused.total == fused.total_minimum == 0 and fused.kernels == 0
+    only(traffic(gm, fused=False), grad_copy_in=2 * 12 * F32)
+
+
 def test_an_expanded_scalar_is_read_once():
     b = Builder()
     g = b.input("g")
