@@ -237,7 +237,9 @@ def prepare(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -
     return trial
 
 
-def profiled_step(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device):
+def profiled_step(
+    trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
+) -> dict[str, Any]:
     """Run one step under the profiler; return its peak tensor memory and collectives."""
     from torch.profiler import ProfilerActivity, profile
 
