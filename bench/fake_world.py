@@ -49,6 +49,9 @@ __all__ = [
 
 BACKEND = "fakeworld"
 
+Tensor = torch.Tensor
+Tensors = list[torch.Tensor]
+
 
 @dataclass(frozen=True)
 class LoggedCollective:
@@ -126,7 +129,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     # -- arithmetic of N equal contributions
 
-    def _reduce_(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+    def _reduce_(self, t: Tensor, op: Any) -> Tensor:
         """``t`` replaced in place by the reduction of ``size`` copies of itself under ``op``."""
         red = dist.ReduceOp
         if op == red.SUM:
@@ -137,7 +140,7 @@ class FakeWorldGroup(dist.ProcessGroup):
             return t.pow_(self._size)
         raise NotImplementedError(f"fake-world reduction {op} (only SUM, AVG, MAX, MIN, ...)")
 
-    def _gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _gather_into(self, out: Tensor, inp: Tensor) -> None:
         flat_out, flat_in = _flat(out), _flat(inp)
         if flat_out.numel() != self._size * flat_in.numel():
             raise RuntimeError(
@@ -146,7 +149,7 @@ class FakeWorldGroup(dist.ProcessGroup):
             )
         flat_out.view(self._size, -1).copy_(flat_in.unsqueeze(0).expand(self._size, -1))
 
-    def _scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+    def _scatter_into(self, out: Tensor, inp: Tensor, op: Any) -> None:
         flat_out, flat_in = _flat(out), _flat(inp)
         if flat_in.numel() != self._size * flat_out.numel():
             raise RuntimeError(
@@ -158,7 +161,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     # -- all-gather
 
-    def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+    def all_gather_single(self, out: Tensor, inp: Tensor, opts: Any = None) -> dist.Work:
         """``out`` (``size`` x the input) filled with copies of ``inp``."""
         _log("all_gather", [out])
         self._gather_into(out, inp)
@@ -166,7 +169,9 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outs, inps, opts=None) -> dist.Work:
+    def all_gather_single_coalesced(
+        self, outs: Tensors, inps: Tensors, opts: Any = None
+    ) -> dist.Work:
         """:meth:`all_gather_single` on each pair of ``outs`` and ``inps``."""
         _log("all_gather", list(outs))
         for out, inp in zip(outs, inps, strict=True):
@@ -175,7 +180,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgather(self, out_lists, inps, opts=None) -> dist.Work:
+    def allgather(self, out_lists: list[Tensors], inps: Tensors, opts: Any = None) -> dist.Work:
         """Every tensor of ``out_lists[i]`` (one per rank) a copy of ``inps[i]``."""
         _log("all_gather", [t for outs in out_lists for t in outs])
         for outs, inp in zip(out_lists, inps, strict=True):
@@ -183,7 +188,9 @@ class FakeWorldGroup(dist.ProcessGroup):
                 out.copy_(inp)
         return _done(out_lists)
 
-    def allgather_coalesced(self, out_lists, inps, opts=None) -> dist.Work:
+    def allgather_coalesced(
+        self, out_lists: list[Tensors], inps: Tensors, opts: Any = None
+    ) -> dist.Work:
         """``out_lists[r][j]`` (rank r's tensor j) a copy of ``inps[j]``."""
         _log("all_gather", [t for outs in out_lists for t in outs])
         for outs in out_lists:
@@ -193,7 +200,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     # -- reduce-scatter
 
-    def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
+    def reduce_scatter_single(self, out: Tensor, inp: Tensor, opts: Any) -> dist.Work:
         """``out`` = this rank's piece of ``inp``, reduced over ``size`` equal copies."""
         _log("reduce_scatter", [inp])
         self._scatter_into(out, inp, opts.reduceOp)
@@ -201,7 +208,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outs, inps, opts) -> dist.Work:
+    def reduce_scatter_single_coalesced(self, outs: Tensors, inps: Tensors, opts: Any) -> dist.Work:
         """:meth:`reduce_scatter_single` on each pair of ``outs`` and ``inps``."""
         _log("reduce_scatter", list(inps))
         for out, inp in zip(outs, inps, strict=True):
@@ -210,7 +217,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def reduce_scatter(self, outs, in_lists, opts) -> dist.Work:
+    def reduce_scatter(self, outs: Tensors, in_lists: list[Tensors], opts: Any) -> dist.Work:
         """``outs[i]`` = ``in_lists[i][rank]`` reduced over ``size`` equal copies."""
         _log("reduce_scatter", [t for ins in in_lists for t in ins])
         for out, ins in zip(outs, in_lists, strict=True):
@@ -220,7 +227,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     # -- all-reduce, reduce, broadcast, barrier, all-to-all
 
-    def allreduce(self, tensors, opts=None) -> dist.Work:
+    def allreduce(self, tensors: Tensors, opts: Any = None) -> dist.Work:
         """Each tensor reduced in place over ``size`` equal copies (``SUM`` by default)."""
         _log("all_reduce", list(tensors))
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
@@ -230,7 +237,7 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     allreduce_coalesced = allreduce
 
-    def reduce(self, tensors, opts) -> dist.Work:
+    def reduce(self, tensors: Tensors, opts: Any) -> dist.Work:
         """Reduced in place on the root only (other ranks' buffers are left as they are)."""
         _log("reduce", list(tensors))
         if opts.rootRank == self._rank:
@@ -238,12 +245,12 @@ class FakeWorldGroup(dist.ProcessGroup):
                 self._reduce_(t, opts.reduceOp)
         return _done(tensors)
 
-    def broadcast(self, tensors, opts=None) -> dist.Work:
+    def broadcast(self, tensors: Tensors, opts: Any = None) -> dist.Work:
         """Nothing to copy: the root holds what this rank holds."""
         _log("broadcast", list(tensors))
         return _done(tensors)
 
-    def scatter(self, outs, in_lists, opts) -> dist.Work:
+    def scatter(self, outs: Tensors, in_lists: list[Tensors], opts: Any) -> dist.Work:
         """From the root (this rank) only: ``outs[0]`` = the root's piece for this rank."""
         if opts.rootRank != self._rank:
             raise NotImplementedError("fake-world scatter from another rank (its data is unknown)")
@@ -251,7 +258,7 @@ class FakeWorldGroup(dist.ProcessGroup):
         outs[0].copy_(in_lists[0][self._rank])
         return _done(outs)
 
-    def gather(self, out_lists, inps, opts) -> dist.Work:
+    def gather(self, out_lists: list[Tensors], inps: Tensors, opts: Any) -> dist.Work:
         """To the root: every rank's slot a copy of this rank's input."""
         _log("gather", list(inps))
         if opts.rootRank == self._rank:
@@ -259,11 +266,14 @@ class FakeWorldGroup(dist.ProcessGroup):
                 out.copy_(inps[0])
         return _done(out_lists)
 
-    def barrier(self, opts=None) -> dist.Work:
+    def barrier(self, opts: Any = None) -> dist.Work:
         """Nothing to wait for."""
         return _done(None)
 
-    def alltoall_base(self, out, inp, out_splits, in_splits, opts=None) -> dist.Work:
+    def alltoall_base(
+        self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int],
+        opts: Any = None,
+    ) -> dist.Work:  # fmt: skip
         """Equal splits only: every rank sends this rank its piece, so ``out`` tiles it."""
         if list(out_splits) or list(in_splits):
             raise NotImplementedError("fake-world all-to-all takes equal splits only")
@@ -296,7 +306,9 @@ def register_backend() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 
-def _all_gather_into_tensor_out(inp, group_size, group_name, *, out):
+def _all_gather_into_tensor_out(
+    inp: Tensor, group_size: int, group_name: str, *, out: Tensor
+) -> Tensor:
     group = dist.distributed_c10d._resolve_process_group(group_name)
     if not isinstance(group, FakeWorldGroup):  # never happens: installed for fake worlds only
         raise RuntimeError(f"all_gather_into_tensor_out on {type(group).__name__} in fake world")

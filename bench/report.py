@@ -134,11 +134,18 @@ def header(report: dict) -> str:
         schedule = "systems one after the other"
     else:
         schedule = f"interleaved, rounds of {cfg.get('round_steps', 1)} step(s) per system"
+    machine = report["machine"]
+    load = machine.get("load_average") or [None, None]
+    busy = (
+        f", load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
+        if None not in load
+        else ""
+    )
     return (
         f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, batch "
         f"{cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
-        f"({cfg['warmup']} warm-up), {schedule}, {report['machine']['device_name']}, "
-        f"torch {report['machine']['torch']}"
+        f"({cfg['warmup']} warm-up), {schedule}, {machine['device_name']} "
+        f"({machine['cpu_count']} CPUs{busy}), torch {machine['torch']}"
     )
 
 

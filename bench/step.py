@@ -11,13 +11,15 @@ every system).
 
 Schedule. Each system is built and runs its first step (compilation) one system at a time;
 then all of them stay alive and their other steps are interleaved: every round runs
-``--round-steps`` steps of each system in turn, until each has run ``--steps`` steps in all,
-of which the first ``--warmup`` are not timed (the interleaved warm-up steps also absorb the
-recompilations one system's compilation can cause in another's shared frames; a timed step
-that still compiles is noted). A slow spell of the (shared) machine then hits every system
-in the same round instead of whichever system happened to be running, and the ratio between
-two systems is taken round by round. ``--sequential`` runs the systems one after the other
-instead, each alone (build, every step, profile, free): less memory, noisier ratios.
+``--round-steps`` steps of each system in turn, the order rotated by one system each round,
+until each has run ``--steps`` steps in all, of which the first ``--warmup`` are not timed
+(a timed step that compiles new graphs is noted). A slow spell of the (shared) machine then
+hits every system in the same round instead of whichever system happened to be running,
+and the ratio between two systems is taken round by round. The systems share one process
+per rank but no compiled code: each has its own process group, Inductor backend and copy of
+the model's code (:func:`bench.systems.private_llama_class`). ``--sequential`` runs the
+systems one after the other instead, each alone (build, every step, profile, free): less
+memory, noisier ratios.
 
 Per system:
 
@@ -127,8 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads per rank [CPU count / ranks]"
-    )
+        "--threads", type=int, default=None,
+        help="torch threads per process [CPU count / world size, also in a fake world]",
+    )  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds a collective may wait"
     )
@@ -138,7 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--fake-world must be at least 1")
         args.world_size = args.fake_world
     args.processes = 1 if args.fake_world else args.world_size
-    args.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.processes))
+    # A fake world's one process gets a real rank's share of the CPUs, not all of them.
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.world_size))
     args.systems = list(dict.fromkeys(s for item in args.systems for s in item.split(",") if s))
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
@@ -233,7 +237,9 @@ def prepare(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -
     return trial
 
 
-def profiled_step(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device):
+def profiled_step(
+    trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
+) -> dict[str, Any]:
     """Run one step under the profiler; return its peak tensor memory and collectives."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -382,7 +388,10 @@ class _Rank:
             steps = min(args.round_steps, remaining)
             remaining -= steps
             failed: dict[str, dict] = {}
-            for name, trial in live.items():
+            order = list(live)  # rotated every round: no system always runs first
+            shift = round_ % max(1, len(order))
+            for name in order[shift:] + order[:shift]:
+                trial = live[name]
                 if trial is None:
                     continue
                 for _ in range(steps):
@@ -465,10 +474,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = llama_config(args.model)
     num_params = sum(p.numel() for p in _count_model(cfg).parameters())
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), _load_average()
     records = _spawn(args)
     report = {
-        "machine": machine_info(args.device),
+        "machine": {**machine_info(args.device), "load_average": [load_start, _load_average()]},
         "config": {**vars(args), "wall_s": time.perf_counter() - start},
         "reference": {
             "params": num_params,
@@ -483,6 +492,14 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.markdown).write_text(table)
     print(table, flush=True)
     return report
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _count_model(cfg):

@@ -39,6 +39,8 @@ SYSTEMS = [
 FAKE_SYSTEMS = ["graphshard-compiled", "graphshard-eager", "fsdp2-eager"]
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2"]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# In the test extra (Python >= 3.11); elsewhere its rows must say why they did not run.
+HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 
 
 def _run(tmp_path, *args: str) -> tuple[dict, str]:
@@ -94,7 +96,7 @@ def test_every_system_starts_from_the_same_loss(two_ranks):
     """Same init, same batches: the first step's loss is the same for every system (rank 0's
     for all of them, the mean over the ranks for the distributed ones)."""
     systems = [s for s in two_ranks[0]["systems"] if s["step_s_median"] is not None]
-    assert len(systems) >= 7
+    assert len(systems) >= (7 if HAS_TORCHTITAN else 6)
     rank0 = [s["first_loss_by_rank"][0] for s in systems]
     assert max(rank0) - min(rank0) < 1e-3 * abs(rank0[0]), rank0
     mean = [s["first_loss"] for s in systems if s["system"] != "single-compiled"]
@@ -105,12 +107,16 @@ def test_every_system_starts_from_the_same_loss(two_ranks):
 
 def test_peers_run_or_say_why_not(two_ranks):
     systems = _by_name(two_ranks[0])
-    simple = systems["simplefsdp-compiled"]  # torchtitan is in the test extra
-    assert simple["step_s_median"] is not None, simple["notes"]
-    assert simple["collectives_per_step"] == 2 * 21  # a gather and a reduce-scatter per param
     prefetch = systems["fsdp2-prefetch-eager"]
     assert prefetch["collectives_per_step"] == systems["fsdp2-eager"]["collectives_per_step"]
-    bucketing = systems["simplefsdp-block-bucketing"]
+    simple, bucketing = systems["simplefsdp-compiled"], systems["simplefsdp-block-bucketing"]
+    if not HAS_TORCHTITAN:
+        for s in (simple, bucketing):
+            assert s["step_s_median"] is None, s
+            assert s["notes"].startswith("skipped (every rank): torchtitan is not installed"), s
+        return
+    assert simple["step_s_median"] is not None, simple["notes"]
+    assert simple["collectives_per_step"] == 2 * 21  # a gather and a reduce-scatter per param
     if HAS_TRITON:
         assert bucketing["step_s_median"] is not None, bucketing["notes"]
     else:  # Inductor's overlap passes estimate runtimes with triton: recorded, not raised
@@ -201,7 +207,6 @@ def test_fake_world_gathers_the_tiled_shard(fake_world_of_4):
     rank's shard in every rank's slot."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
 
     mesh = DeviceMesh.from_group(dist.new_group(), "cpu")
     torch.manual_seed(0)
@@ -215,6 +220,10 @@ def test_fake_world_gathers_the_tiled_shard(fake_world_of_4):
     for name, p in fsdp.named_parameters():
         assert p.abs().sum() > 0, name
         assert torch.equal(p, shards[name].repeat(4, *[1] * (p.dim() - 1))), name
+    if not HAS_TORCHTITAN:  # the bench's SimpleFSDP rows are then skipped (tested above)
+        return
+    from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+
     torch.manual_seed(0)
     simple = data_parallel(Llama(llama_config("tiny")), mesh, mode="fully_shard")
     for name, module in simple.named_modules():
