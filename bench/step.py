@@ -301,7 +301,7 @@ def _attempt(fn, *args: Any) -> tuple[Any, dict | None]:
         traceback.print_exc()
         text = describe_exception(exc)
         if "No module named 'triton'" in text:
-            text = f"needs triton, which is not installed (CPU-only torch): {text}"
+            text = f"needs triton, which is not installed here: {text}"
         return None, {"error": text}
 
 
