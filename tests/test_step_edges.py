@@ -70,6 +70,27 @@ def test_the_gathers_before_the_first_compute_are_bound(depth, bound):
     assert len(leading_gathers(off["fw"].graph)) == bound
 
 
+def test_a_gather_the_step_cannot_rebuild_is_left_alone():
+    """A gather input that is not the lowering's plain pieces of shards (here: a copy of a
+    shard first, as CPU offload makes) stays an all-gather; the others are still bound."""
+    from graphshard.passes import Plan, step_prefetch
+    from graphshard.passes.fx_util import NodeMaker
+
+    with fake_process_group(2):
+        off, _ = _stages(_llama("tiny"), torch.randint(0, 256, (2, 16)), step_prefetch=False)
+    fw = off["fw"]
+    first, second = leading_gathers(fw.graph)
+    shard = next(n for n in first.args[0].all_input_nodes if n.op != "placeholder")
+    while shard.all_input_nodes[0].op != "placeholder":
+        shard = shard.all_input_nodes[0]
+    with fw.graph.inserting_before(shard):
+        copy = NodeMaker(fw.graph)(torch.ops.aten._to_copy.default, shard.args[0])
+    shard.replace_input_with(shard.args[0], copy)
+    step_prefetch(fw, Plan())
+    assert first.target is c10d.all_gather_into_tensor.default
+    assert second.target is TAKE_PREFETCHED and second.kwargs["peers"] == []
+
+
 def test_bound_gathers_are_priced_and_counted_as_all_gathers():
     with fake_process_group(2):
         tokens = torch.randint(0, 256, (2, 16))
