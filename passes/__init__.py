@@ -16,6 +16,8 @@ from graphshard.passes.overlap_reduce import overlap_reduce
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
 from graphshard.passes.reshard import reshard
+from graphshard.passes.split_reduce import split_last_reduce
+from graphshard.passes.step_prefetch import step_prefetch
 
 __all__ = [
     "UNSHARD",
@@ -35,4 +37,6 @@ __all__ = [
     "overlap_reduce",
     "prefetch",
     "reshard",
+    "split_last_reduce",
+    "step_prefetch",
 ]

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
+from graphshard.passes.markers import TAKE_PREFETCHED
 
 __all__ = [
     "HardwareProfile",
@@ -185,6 +186,9 @@ _COLLECTIVES = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
+    # An all-gather the optimizer step may have issued early (``step_prefetch``): priced as
+    # the all-gather it stands for, at its place in the forward.
+    TAKE_PREFETCHED: "all_gather",
 }
 
 # Ops that only alias their input (or are bookkeeping) and move no bytes.

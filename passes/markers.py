@@ -21,6 +21,7 @@ from graphshard.passes.layout import Dim0Layout
 __all__ = [
     "UNSHARD",
     "REDUCE_GRAD",
+    "TAKE_PREFETCHED",
     "is_unshard",
     "is_reduce_grad",
     "UnshardArgs",
@@ -53,6 +54,20 @@ _lib.define(
     "int replica_size=1, bool all_reduce=True, Tensor? pending_full=None, "
     "Tensor? pending_partial=None, int local_rows=0, str out_device='') -> Tensor"
 )
+# The forward's leading all-gathers, bound to the buffers the previous optimizer step
+# gathered (``graphshard.passes.step_prefetch``): ``all_gather_into_tensor(flat, group_size,
+# group_name)`` with what the step needs to rebuild ``flat`` from the updated shards (each
+# shard's padded piece size; ``flat`` is their pieces, cast to its dtype, concatenated),
+# ``key`` (names the gather) and ``lead`` (names the graph's leading gathers together). It
+# returns the gathered buffer as the all-gather does (completed by the same ``wait_tensor``);
+# its kernel (``graphshard.api.step_prefetch``) takes the prefetched one when every rank's
+# ``flat`` still equals what it sent, else gathers anew. The first of a graph's leading
+# gathers also gets the others' inputs and keys (``peers``, ``peer_keys``), so the ranks
+# agree on all of them at once.
+_lib.define(
+    "take_prefetched(Tensor flat, int group_size, str group_name, *, Tensor[] shards, "
+    "int[] piece_numels, str key, str lead, Tensor[] peers, str[] peer_keys) -> Tensor"
+)
 # ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
 # local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
 # ``out_device`` (CPU offload): the device type the reduced gradient is copied to, the host
@@ -74,6 +89,7 @@ class GradSync:
 
 UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
+TAKE_PREFETCHED = torch.ops.graphshard.take_prefetched.default
 
 
 def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
@@ -101,6 +117,11 @@ def _reduce_grad_fake(grad, bucket, name, world_size, *args, **kwargs):
     return grad.new_empty(
         reduced_shape(m), dtype=m.out_dtype or grad.dtype, device=m.out_device or grad.device
     )
+
+
+@torch.library.register_fake("graphshard::take_prefetched")
+def _take_prefetched_fake(flat, group_size, group_name, **kwargs):
+    return flat.new_empty([flat.shape[0] * group_size, *flat.shape[1:]])
 
 
 def reduced_shape(m: ReduceGradArgs) -> tuple[int, ...]:

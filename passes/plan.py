@@ -36,6 +36,17 @@ class Plan:
         reshard_last_bucket: also free the bucket of the parameter read last in forward. By
             default it is kept for backward, which starts by needing it (as FSDP2 keeps its
             root).
+        step_prefetch: let the optimizer step gather the buckets the next forward starts
+            with (the gathers it issues before its first wait), as soon as their parameters
+            are updated, so they are not exposed at the start of the step
+            (:mod:`graphshard.passes.step_prefetch`). The forward checks on every rank that
+            the gathered shards are unchanged and gathers again otherwise, so results are the
+            same with or without it.
+        split_last_reduce: reduce the gradients of the backward's last buckets that are
+            ready early (a root bucket's output layer, a first block's feed-forward) in a
+            reduce-scatter of their own, issued when they are ready, where the cost model
+            predicts it shortens the exposed end of the backward
+            (:mod:`graphshard.passes.split_reduce`).
     """
 
     prefetch_depth: int = 1
@@ -44,6 +55,8 @@ class Plan:
     bucket_bytes: int = 25 * 2**20
     profile: str | HardwareProfile = "cpu-gloo"
     reshard_last_bucket: bool = False
+    step_prefetch: bool = True
+    split_last_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.bucketing not in BUCKETING:

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphshardError
-from graphshard.passes.markers import is_reduce_grad, is_unshard
+from graphshard.passes.markers import TAKE_PREFETCHED, is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
 
 __all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
@@ -122,8 +122,9 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
 
 def _is_collective(node: fx.Node) -> bool:
     target = node.target
-    return (getattr(target, "namespace", None) == "_c10d_functional"
-            and target is not _c10d.wait_tensor.default)
+    return target is TAKE_PREFETCHED or (
+        getattr(target, "namespace", None) == "_c10d_functional"
+        and target is not _c10d.wait_tensor.default)
 
 
 def _by_kind(order: list[tuple[str, int]]) -> dict[str, list[int]]:

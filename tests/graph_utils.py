@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from graphshard.passes.markers import TAKE_PREFETCHED
 from graphshard.tools.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
 c10d = torch.ops._c10d_functional
@@ -21,9 +22,16 @@ REBUILD_OPS = {
 }
 
 
+# A forward's leading all-gathers are ``take_prefetched`` (the all-gather, which the optimizer
+# step may have issued already: graphshard.passes.step_prefetch); ``calls`` counts them as one.
+_SAME_AS = {c10d.all_gather_into_tensor.default: (TAKE_PREFETCHED,)}
+
+
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
-    """The call_function nodes of ``gm`` with ``target``, in order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+    """The call_function nodes of ``gm`` with ``target``, in order (for the all-gather, its
+    ``take_prefetched`` form included)."""
+    targets = (target, *_SAME_AS.get(target, ()))
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
 
 def gathered_values(gm: fx.GraphModule) -> set[fx.Node]:
@@ -59,6 +67,7 @@ def derived_before_matmul(node: fx.Node) -> set[fx.Node]:
 
 _SCHEDULE_TOKENS = {
     c10d.all_gather_into_tensor.default: "AG",
+    TAKE_PREFETCHED: "AG",
     c10d.reduce_scatter_tensor.default: "RS",
     c10d.all_reduce.default: "AR",
 }

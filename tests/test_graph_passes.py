@@ -161,14 +161,16 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
     assert passes_dumped == [
         "bw_00_input.txt",
         "bw_01_lower_unshard.txt",
-        "bw_02_lower_reduce_grad.txt",
-        "bw_03_prefetch.txt",
-        "bw_04_overlap_reduce.txt",
+        "bw_02_split_last_reduce.txt",
+        "bw_03_lower_reduce_grad.txt",
+        "bw_04_prefetch.txt",
+        "bw_05_overlap_reduce.txt",
         "dynamo_00_input.txt",
         "dynamo_01_dedupe_unshard.txt",
         "fw_00_input.txt",
         "fw_01_lower_unshard.txt",
         "fw_02_prefetch.txt",
+        "fw_03_step_prefetch.txt",
         "joint_00_input.txt",
         "joint_01_fold_views.txt",
         "joint_02_merge_reduce_grad.txt",
@@ -183,6 +185,6 @@ def test_dump_dir_from_environment(world2, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHSHARD_DUMP_DIR", str(tmp_path))
     compile_and_step(graphshard.shard(TwoBlock()))
     assert (tmp_path / "rank0").is_dir()
-    assert any((tmp_path / "rank0").rglob("bw_02_lower_reduce_grad.txt"))
+    assert any((tmp_path / "rank0").rglob("bw_03_lower_reduce_grad.txt"))
 
 

@@ -129,8 +129,10 @@ def test_inductor_code_keeps_the_order(world2):
     compiled = torch.compile(model, backend=graphshard.backend(reshard_last_bucket=True))
     _, (fw, bw) = run_and_get_code(lambda: compiled(torch.randn(8, 16)).sum().backward())
     ag, wait_, mm = "all_gather_into_tensor.default(", "wait_tensor.default(", "extern_kernels."
-    check = FileCheck().check(ag).check(wait_)
-    for _ in range(3):  # bucket k+1 is issued before bucket k's first matmul, waited after it
+    # The two gathers issued before any compute may come from the optimizer step.
+    lead = r"(all_gather_into_tensor|take_prefetched)\.default\("
+    check = FileCheck().check_regex(lead).check(wait_).check_regex(lead).check(mm).check(wait_)
+    for _ in range(2):  # bucket k+1 is issued before bucket k's first matmul, waited after it
         check = check.check(ag).check(mm).check(wait_)
     check.run(fw)
     check = FileCheck().check(ag).check(wait_).check(ag).check(mm).check("reduce_scatter_tensor")

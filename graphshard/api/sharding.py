@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from graphshard.api import eager_kernels, random_init  # noqa: F401  (registers the eager kernels)
+from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import CPUOffload, resolve_offload
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
@@ -430,6 +430,7 @@ def shard(
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     _track_forwards(module, state)
+    step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
     setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check

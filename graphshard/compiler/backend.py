@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard.analysis.report import write_schedule
-from graphshard.api import eager_kernels  # noqa: F401  (registers the eager kernels)
+from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (registers kernels)
 from graphshard.compiler.cache_key import meshes_pickle_without_hash
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER

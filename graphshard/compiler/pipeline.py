@@ -7,10 +7,11 @@ Stages and their passes (each dumped before and after when a dump directory is s
   reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
   ``assign_buckets`` (the ``size``/``auto`` strategies),
   ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
-- ``fw``: ``lower_unshard``, ``prefetch``;
+- ``fw``: ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
+  from the previous optimizer step);
 - ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
-- ``bw``: ``lower_unshard`` (the re-gather), ``lower_reduce_grad``, ``prefetch``,
-  ``overlap_reduce``.
+- ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
+  last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -33,6 +34,8 @@ from graphshard.passes import (
     overlap_reduce,
     prefetch,
     reshard,
+    split_last_reduce,
+    step_prefetch,
 )
 from graphshard.passes.cost_model import collective_group, collective_kind
 from graphshard.passes.runner import PassRunner
@@ -44,9 +47,9 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard],
     "joint": [fold_views, merge_reduce_grad, assign_buckets, reshard],
-    "fw": [lower_unshard, prefetch],
+    "fw": [lower_unshard, prefetch, step_prefetch],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
-    "bw": [lower_unshard, lower_reduce_grad, prefetch, overlap_reduce],
+    "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
