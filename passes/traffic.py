@@ -51,6 +51,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.fx_util import LOWERED
+from graphshard.passes.markers import TAKE_PREFETCHED
 
 __all__ = ["CATEGORIES", "Traffic", "traffic", "step_traffic", "format_traffic"]
 
@@ -140,8 +141,10 @@ def _tag(node: fx.Node) -> dict | None:
 
 
 def _is_wire(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == (
-        "_c10d_functional")
+    """A collective or its wait (``take_prefetched`` is the all-gather the step may have run)."""
+    return node.op == "call_function" and (
+        getattr(node.target, "namespace", None) == "_c10d_functional"
+        or node.target is TAKE_PREFETCHED)
 
 
 def _is_device_copy(node: fx.Node) -> bool:
