@@ -128,19 +128,33 @@ def count_logged(entries: list[Any], world_size: int) -> dict[str, Any]:
 
 
 def graphshard_summary(system: System, device: torch.device) -> dict:
-    """``step_summary`` of the graphs the graphshard backend compiled, on the matching profile.
+    """``step_summary`` of the graphs the graphshard backend compiled, on the matching profile,
+    with the bytes graphshard's own kernels move (``copy_bytes``) and their floor
+    (``copy_floor_bytes``, :mod:`graphshard.passes.traffic`), and ``checks``: the forward
+    graphs that take a gather the optimizer step issued (each agrees on it in one small
+    all-reduce, which the profiler sees).
 
     A failure is returned as ``{"error": ...}``: the profiled counts then stand in.
     """
     from graphshard.analysis.report import step_summary
     from graphshard.passes.cost_model import get_profile
+    from graphshard.passes.markers import TAKE_PREFETCHED
+    from graphshard.passes.traffic import step_traffic
 
     profile = "h100-nvlink" if device.type == "cuda" else "cpu-gloo"
+    graphs = system.backend.graphs
     try:
-        summary = step_summary(system.backend.graphs, get_profile(profile))
+        summary = step_summary(graphs, get_profile(profile))
+        copies = step_traffic(graphs)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {**summary, "profile": profile, "graphs": len(system.backend.graphs)}
+    checks = sum(
+        any(n.target is TAKE_PREFETCHED for n in stages["fw"].graph.nodes)
+        for stages in graphs if "fw" in stages
+    )
+    return {**summary, "profile": profile, "graphs": len(graphs), "checks": checks,
+            "copy_bytes": copies.total, "copy_floor_bytes": copies.total_minimum,
+            "copy_bytes_by_category": {k: v for k, v in copies.moved.items() if v}}
 
 
 def communication(ranks: list[dict], notes: list[str]) -> dict[str, Any]:
@@ -168,7 +182,11 @@ def communication(ranks: list[dict], notes: list[str]) -> dict[str, Any]:
                      "profiled ones, predicted_step_s is missing")
         return out
     out.update(
-        collectives_per_step=summary["all_gathers"] + summary["reduce_scatters"],
+        collectives_per_step=(
+            summary["all_gathers"] + summary["reduce_scatters"] + summary.get("checks", 0)
+        ),
+        copy_bytes_per_step=summary.get("copy_bytes"),
+        copy_floor_bytes=summary.get("copy_floor_bytes"),
         bytes_per_step=summary["bytes_sent_per_rank"],
         predicted_step_s=summary["predicted_step_s"],
         graphshard_summary=summary,

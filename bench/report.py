@@ -29,6 +29,9 @@ FIELDS: tuple[str, ...] = (
     "peak_mem_bytes",
     "collectives_per_step",
     "bytes_per_step",
+    "wait_s",
+    "copy_bytes_per_step",
+    "copy_floor_bytes",
     "first_loss",
     "final_loss",
     "predicted_step_s",
@@ -67,6 +70,8 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     record.update(communication(ranks, notes))
     record["peak_mem_bytes"] = max(res["peak_mem_bytes"] for res in ranks)
     record["peak_mem_bytes_by_rank"] = [res["peak_mem_bytes"] for res in ranks]
+    waits = [res["wait_s"] for res in ranks if res.get("wait_s") is not None]
+    record["wait_s"] = max(waits) if waits else None
     record["notes"] = "; ".join(notes) or None
     return record
 
@@ -118,6 +123,11 @@ def _spread(ratio: dict | None) -> str:
     return f"{ratio['median']:.2f} ({ratio['p10']:.2f}-{ratio['p90']:.2f})"
 
 
+def _copies(record: dict) -> str:
+    moved, floor = record.get("copy_bytes_per_step"), record.get("copy_floor_bytes")
+    return "n/a" if moved is None else f"{moved * 1e-6:,.1f} ({_fmt(floor, 1e-6)})"
+
+
 def _loss(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
@@ -161,8 +171,9 @@ def to_markdown(report: dict) -> str:
         "",
         "| system | median ms | p10-p90 ms | graphshard-compiled / this (p10-p90) "
         "| vs single-compiled | compile s | peak mem MiB | mem vs fsdp2-eager "
-        "| collectives/step | MB sent/rank/step | first loss | final loss | predicted ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| collectives/step | MB sent/rank/step | comm wait ms | copies MB (floor) "
+        "| first loss | final loss | predicted ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in systems:
         median, mem = s["step_s_median"], s["peak_mem_bytes"]
@@ -178,7 +189,8 @@ def to_markdown(report: dict) -> str:
             f"| {_ratio(median, single.get('step_s_median'))} "
             f"| {_fmt(s['compile_s'], 1, 2)} | {_fmt(mem, 2**-20, 2)} "
             f"| {_ratio(mem, fsdp.get('peak_mem_bytes'))} | {collectives} "
-            f"| {_fmt(s['bytes_per_step'], 1e-6, 3)} | {_loss(s.get('first_loss'))} "
+            f"| {_fmt(s['bytes_per_step'], 1e-6, 3)} | {_fmt(s.get('wait_s'), 1e3)} "
+            f"| {_copies(s)} | {_loss(s.get('first_loss'))} "
             f"| {_loss(s['final_loss'])} | {_fmt(s['predicted_step_s'], 1e3)} |"
         )
     ref = report["reference"]

@@ -45,6 +45,14 @@ Per system:
   the full buffer for all-gather, reduce-scatter and broadcast, ``2(N-1)/N`` for all-reduce
   (the profiler records no dtype for tensor-list arguments; those are counted at the element
   size of the model's parameters).
+- ``wait_s``: graphshard systems only, the time the profiled step spent blocked on
+  communication: inside the compiled graphs' ``wait_tensor`` and the forward's
+  ``take_prefetched`` (its check and wait), slowest rank. It is the exposed part of the
+  collectives, which the step's edges leave (``graphshard-compiled-edges-off`` shows them).
+- ``copy_bytes_per_step`` / ``copy_floor_bytes``: graphshard systems only, the bytes
+  graphshard's own kernels move per step and rank (copy-in, casts, padding, copy-out,
+  interleave, gradients into the reduce-scatter buffer; ``graphshard.passes.traffic``, as
+  Inductor fuses them) and the least they could move.
 - ``first_loss`` / ``final_loss``: the loss of the first and the last step, averaged over
   the ranks that trained (same init and batches: the first losses of all systems agree).
 - ``predicted_step_s``: graphshard-compiled only, the cost model's forward+backward estimate
@@ -86,7 +94,7 @@ from bench.comm import count_collectives, count_logged, graphshard_summary, zero
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
 from bench.systems import SYSTEMS, BenchContext, PeerUnavailable, System, build_system
-from bench.timing import sync, train_step
+from bench.timing import sync, train_step, wait_time
 from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import CONFIGS, llama_config
 
@@ -269,7 +277,10 @@ def profiled_step(
     else:
         param = next(system.module.parameters())
         comm = count_collectives(events, world_size, local_tensor(param).element_size())
-    return {"peak_mem_bytes": int(peak), "comm": comm}
+    result = {"peak_mem_bytes": int(peak), "comm": comm}
+    if system.backend is not None:
+        result["wait_s"] = wait_time(events)
+    return result
 
 
 def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device) -> dict:

@@ -5,6 +5,9 @@ uses AdamW with the same learning rate, and is fed the same synthetic batches, s
 times, memory and losses can be read side by side:
 
 - ``graphshard-compiled``: ``graphshard.shard`` + ``torch.compile(backend=graphshard.backend())``
+- ``graphshard-compiled-edges-off``: the same with ``step_prefetch=False`` and
+  ``split_last_reduce=False`` (the step's edges exposed, as before those options): the
+  ablation row that shows what they save
 - ``graphshard-eager``: the sharded model without ``torch.compile`` (one gather per use)
 - ``fsdp2-eager``: ``fully_shard`` on every block of ``model.layers``, then on the root
 - ``fsdp2-compiled``: the same, then ``torch.compile(model)`` (Inductor)
@@ -64,6 +67,7 @@ __all__ = [
 
 SYSTEMS: tuple[str, ...] = (
     "graphshard-compiled",
+    "graphshard-compiled-edges-off",
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-compiled",
@@ -109,7 +113,10 @@ class System:
     whose parameters, buffers and gradients are the model state (for memory accounting);
     ``distributed`` is False when only this rank trains (no barriers, no collectives);
     ``group`` is the system's own process group; every step runs inside ``context()``
-    (compiler settings that must hold while its graphs compile, forward and backward).
+    (compiler settings that must hold while its graphs compile, forward and backward);
+    ``settle()`` runs at the end of every step (graphshard: wait for the gathers its
+    optimizer step issued, so that, interleaved, they do not finish under other systems'
+    steps for free).
     """
 
     name: str
@@ -121,6 +128,7 @@ class System:
     notes: list[str] = field(default_factory=list)
     group: dist.ProcessGroup | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    settle: Callable[[], None] = lambda: None
 
 
 _PRIVATE_CLASSES: dict[str, type[Llama]] = {}
@@ -185,15 +193,21 @@ def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
     return DeviceMesh.from_group(group, ctx.device.type)
 
 
-def _graphshard(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool) -> System:
-    name = "graphshard-compiled" if compiled else "graphshard-eager"
+def _graphshard(
+    ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, edges: bool = True
+) -> System:
+    from graphshard.api.step_prefetch import wait_issued
+
+    name = "graphshard-eager"
+    if compiled:
+        name = "graphshard-compiled" if edges else "graphshard-compiled-edges-off"
     model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx))
     if not compiled:
-        return System("graphshard-eager", model, model, _adamw(model, ctx), group=group)
-    backend = graphshard.backend()
+        return System(name, model, model, _adamw(model, ctx), group=group)
+    backend = graphshard.backend(step_prefetch=edges, split_last_reduce=edges)
     run = torch.compile(model, backend=backend)
     return System(
-        "graphshard-compiled", run, model, _adamw(model, ctx), backend=backend, group=group
+        name, run, model, _adamw(model, ctx), backend=backend, group=group, settle=wait_issued
     )
 
 
@@ -327,6 +341,7 @@ def _single_compiled(ctx: BenchContext, group: None) -> System:
 
 _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
     "graphshard-compiled": lambda ctx, g: _graphshard(ctx, g, compiled=True),
+    "graphshard-compiled-edges-off": lambda ctx, g: _graphshard(ctx, g, True, edges=False),
     "graphshard-eager": lambda ctx, g: _graphshard(ctx, g, compiled=False),
     "fsdp2-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=False),
     "fsdp2-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=False),

@@ -22,13 +22,37 @@ def sync(device: torch.device) -> None:
 
 def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
     """One full step inside the system's context: forward, backward, optimizer step,
-    gradients set to None."""
+    gradients set to None, then whatever the system must finish before the step counts as
+    done (``System.settle``)."""
     with system.context():
         loss = system.run(tokens).loss
         loss.backward()
         system.optimizer.step()
         system.optimizer.zero_grad(set_to_none=True)
+        system.settle()
     return loss.detach()
+
+
+# Profiler events in which a graphshard step blocks on communication: the compiled graphs'
+# waits, and the forward's take of a gather the optimizer step issued (its check and wait).
+WAIT_EVENTS = ("_c10d_functional::wait_tensor", "graphshard::take_prefetched")
+
+
+def wait_time(events: list[Any]) -> float:
+    """Seconds the profiled step spent inside :data:`WAIT_EVENTS` (their union: a take's
+    own wait, nested in it, counts once)."""
+    spans = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in WAIT_EVENTS
+    )
+    total, end = 0, None
+    for start, stop in spans:
+        if end is None or start >= end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e9
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -233,3 +233,20 @@ def test_world1_shard_group_under_tensor_parallelism_matches_one_process():
             for name, value in reference["params"].items():
                 torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6,
                                            msg=f"{key} {name}")
+
+
+def test_the_kept_graphs_are_the_passes_output_after_inductor_compiled_them(one_rank, tmp_path):
+    """Inductor's post-grad passes rewrite the graph they get in place; ``backend.graphs``
+    must still hold what graphshard's passes produced (the summaries and traffic counts read
+    it), so it must match the last dump of each stage byte for byte."""
+    torch.manual_seed(0)
+    cfg = llama_config("tiny")
+    backend = graphshard.backend(dump_dir=str(tmp_path))
+    compiled = torch.compile(graphshard.shard(Llama(cfg)), backend=backend, fullgraph=True)
+    _loss(compiled(torch.randint(0, cfg.vocab_size, (2, 16)))).backward()
+    (stages,) = backend.graphs
+    for stage in ("fw", "bw"):
+        last = sorted(tmp_path.rglob(f"{stage}_[0-9][0-9]_*.txt"))[-1]
+        kept = stages[stage].print_readable(
+            print_output=False, include_stride=False, include_device=False)
+        assert kept == last.read_text(), stage

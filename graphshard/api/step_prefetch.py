@@ -45,7 +45,7 @@ from torch.optim.optimizer import (
 
 from graphshard.records import ShardedParam, ShardState
 
-__all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending"]
+__all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending", "wait_issued"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -144,6 +144,16 @@ def _drain_orphans() -> None:
 def pending() -> int:
     """Gathers issued by a step and not yet taken by a forward."""
     return len(_SLOTS)
+
+
+def wait_issued() -> None:
+    """Block until every gather the steps issued has arrived (they stay to be taken).
+
+    For timing: a benchmark that runs other work between a step and the next forward calls
+    it at the end of the step, so the gathers are not hidden under work a training loop
+    would not have there."""
+    for slot in _SLOTS.values():
+        slot.work.wait()
 
 
 def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:

@@ -34,10 +34,24 @@ __all__ = ["backend", "GraphshardBackend"]
 _graph_ids = itertools.count()
 
 
+def _detached_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (nodes and their meta dicts), the same attributes.
+
+    Inductor's post-grad passes rewrite the graph they are given in place; the copy goes to
+    Inductor so that ``GraphshardBackend.graphs`` keeps the graphs as the passes left them
+    (what the summaries, traffic counts and tests read)."""
+    graph = fx.Graph()
+    result, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(result, type_expr=output.type).meta = dict(output.meta)
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph)
+
+
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    gm = _detached_copy(gm)
     # Inductor's peak-memory reordering would undo the collective schedule the passes chose.
     # Meshes among the inputs must not carry a per-process hash into the FX-cache key.
     with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash():
