@@ -25,6 +25,7 @@ from graphshard.models.llama import Llama, llama_config
 
 SYSTEMS = [
     "graphshard-compiled",
+    "graphshard-compiled-edges-off",
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-prefetch-eager",
@@ -90,6 +91,21 @@ def test_bench_two_ranks_report(two_ranks):
     assert gs["collectives_per_step"] > 0 and gs["predicted_step_s"] > 0
     assert all(name in table for name in SYSTEMS)
     assert table == to_markdown(report)
+
+
+def test_graphshard_rows_count_waits_copies_and_the_step_prefetch_check(two_ranks):
+    systems = _by_name(two_ranks[0])
+    on, off = systems["graphshard-compiled"], systems["graphshard-compiled-edges-off"]
+    for s in (on, off):
+        assert s["wait_s"] is not None and s["wait_s"] > 0, s
+        assert 0 < s["copy_floor_bytes"] <= s["copy_bytes_per_step"], s
+        # the summary's count (gathers, reduce-scatters, the forward's check) is what ran
+        assert "profiler saw" not in (s["notes"] or ""), s["notes"]
+    assert on["graphshard_summary"]["checks"] == 1 and off["graphshard_summary"]["checks"] == 0
+    assert on["collectives_per_step"] >= off["collectives_per_step"] + 1
+    assert on["bytes_per_step"] == off["bytes_per_step"]  # split, the same bytes
+    for name in ("fsdp2-eager", "ddp-compiled", "single-compiled"):
+        assert systems[name]["wait_s"] is None and systems[name]["copy_bytes_per_step"] is None
 
 
 def test_every_system_starts_from_the_same_loss(two_ranks):
