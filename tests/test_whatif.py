@@ -17,6 +17,7 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "bytes per rank and step = (N - 1)" in printed
+    assert "| copies GiB (floor) |" in printed
     rows = json.loads(out.read_text())
     cfg = llama_config("tiny")
     model = Llama(cfg)
@@ -39,6 +40,11 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
         assert row["memory_total"] >= 4 * row["sharded_params"]
         assert row["predicted_step_s"] >= row["bound_s"] > 0
         assert row["buckets"] == cfg.n_layers + 1
+        # tiny at N = 2, 4 pads nothing, and every cut is made: graphshard's own kernels move
+        # what the floor asks, which is at least each shard read and the buffer written once
+        # per gather, and each gradient read and the reduce buffer written once
+        assert row["copy_bytes"] == row["copy_floor_bytes"]
+        assert row["copy_bytes"] >= (psi + psi_bw + psi) * 4 // n + (2 * psi + psi_bw) * 4
     assert rows[1]["bytes_per_step"] > rows[0]["bytes_per_step"]  # (N-1)/N grows with N
     assert torch.distributed.is_initialized() is False
 

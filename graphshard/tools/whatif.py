@@ -27,6 +27,7 @@ from graphshard.errors import GraphshardValueError
 from graphshard.passes.cost_model import get_profile
 from graphshard.passes.markers import is_unshard, marker_args
 from graphshard.passes.simulate import gathered_nodes, simulate
+from graphshard.passes.traffic import step_traffic
 from graphshard.tools.offline import Factory, trace_step_offline
 
 __all__ = [
@@ -77,6 +78,8 @@ class WhatIf:
     exposed_comm_s: float
     trace_s: float
     passes_s: float
+    copy_bytes: int = 0  # bytes graphshard's own kernels move per step (passes.traffic)
+    copy_floor_bytes: int = 0  # the least those kernels could move
 
     @property
     def memory_total(self) -> int:
@@ -205,6 +208,7 @@ def what_if(
     graphs = trace.graphs
     hw = get_profile(profile)
     summary = step_summary(graphs, hw)
+    copies = step_traffic(graphs)
     per_dim = _per_dimension(collectives_by_group(graphs, hw), trace.groups)
     markers = [m for stages in graphs for m in _markers(stages["joint"])]
     params = sum(math.prod(marker_args(m).full_shape) for m in markers)
@@ -249,6 +253,8 @@ def what_if(
         exposed_comm_s=summary["predicted_exposed_comm_s"],
         trace_s=trace_s,
         passes_s=trace.pass_seconds,
+        copy_bytes=copies.total,
+        copy_floor_bytes=copies.total_minimum,
     )
 
 
@@ -278,13 +284,16 @@ def format_table(rows: list[WhatIf]) -> str:
 
     ``bytes/step`` is all a rank sends in a step: ``dp bytes/step`` (graphshard's gathers and
     reduce-scatters) plus ``tp bytes/step`` (tensor parallelism's collectives); ``comm s``
-    includes ``tp comm s``.
+    includes ``tp comm s``. ``copies GiB (floor)`` is what graphshard's own kernels move per
+    step and rank (copy-in, casts, padding, copy-out, interleave, gradients into the
+    reduce-scatter buffer, as Inductor fuses them; :mod:`graphshard.passes.traffic`), with
+    the least they could move in brackets.
     """
     head = (
         "| N | dp x tp | buckets | params GiB | grads GiB | Adam GiB | peak unsharded GiB"
         " | activations GiB | total GiB | bytes/step GiB | dp bytes/step GiB"
         " | tp bytes/step GiB | compute s | comm s | tp comm s | predicted s"
-        " | exposed comm s | bound s | trace s | passes s |"
+        " | exposed comm s | bound s | copies GiB (floor) | trace s | passes s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -294,7 +303,9 @@ def format_table(rows: list[WhatIf]) -> str:
             f"{_gib(r.activations)} | {_gib(r.memory_total)} | {_gib(r.bytes_per_step)} | "
             f"{_gib(r.dp_bytes_per_step)} | {_gib(r.tp_bytes_per_step)} | {r.compute_s:.4f} | "
             f"{r.comm_s:.4f} | {r.tp_comm_s:.4f} | {r.predicted_step_s:.4f} | "
-            f"{r.exposed_comm_s:.4f} | {r.bound_s:.4f} | {r.trace_s:.1f} | {r.passes_s:.1f} |"
+            f"{r.exposed_comm_s:.4f} | {r.bound_s:.4f} | "
+            f"{_gib(r.copy_bytes)} ({_gib(r.copy_floor_bytes)}) | {r.trace_s:.1f} | "
+            f"{r.passes_s:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
