@@ -47,7 +47,8 @@ Per system:
   size of the model's parameters).
 - ``wait_s``: graphshard systems only, the time the profiled step spent blocked on
   communication: inside the compiled graphs' ``wait_tensor`` and the forward's
-  ``take_prefetched`` (its check and wait), slowest rank. It is the exposed part of the
+  ``take_prefetched`` (its check and wait), and at the end of the step for the gathers the
+  optimizer step issued (``System.settle``), slowest rank. It is the exposed part of the
   collectives, which the step's edges leave (``graphshard-compiled-edges-off`` shows them).
 - ``copy_bytes_per_step`` / ``copy_floor_bytes``: graphshard systems only, the bytes
   graphshard's own kernels move per step and rank (copy-in, casts, padding, copy-out,

@@ -89,6 +89,10 @@ SIMPLEFSDP_MODES: dict[str, str | None] = {
 
 TORCHTITAN = "torchtitan==0.3.0"
 
+# The profiler's name for the end of a graphshard step waiting for the gathers its optimizer
+# step issued (``System.settle``): communication wait like the graphs' own.
+SETTLE_EVENT = "bench::settle_step_prefetch"
+
 
 class PeerUnavailable(RuntimeError):
     """A peer system cannot be built here (its package is missing): skipped, not failed."""
@@ -206,8 +210,13 @@ def _graphshard(
         return System(name, model, model, _adamw(model, ctx), group=group)
     backend = graphshard.backend(step_prefetch=edges, split_last_reduce=edges)
     run = torch.compile(model, backend=backend)
+
+    def settle() -> None:
+        with torch.profiler.record_function(SETTLE_EVENT):
+            wait_issued()
+
     return System(
-        name, run, model, _adamw(model, ctx), backend=backend, group=group, settle=wait_issued
+        name, run, model, _adamw(model, ctx), backend=backend, group=group, settle=settle
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bench.systems import System
+from bench.systems import SETTLE_EVENT, System
 
 
 def sync(device: torch.device) -> None:
@@ -34,8 +34,9 @@ def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # Profiler events in which a graphshard step blocks on communication: the compiled graphs'
-# waits, and the forward's take of a gather the optimizer step issued (its check and wait).
-WAIT_EVENTS = ("_c10d_functional::wait_tensor", "graphshard::take_prefetched")
+# waits, the forward's take of a gather the optimizer step issued (its check and wait), and
+# the bench's wait for those gathers at the end of the step.
+WAIT_EVENTS = ("_c10d_functional::wait_tensor", "graphshard::take_prefetched", SETTLE_EVENT)
 
 
 def wait_time(events: list[Any]) -> float:
