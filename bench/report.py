@@ -72,6 +72,14 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     record["peak_mem_bytes_by_rank"] = [res["peak_mem_bytes"] for res in ranks]
     waits = [res["wait_s"] for res in ranks if res.get("wait_s") is not None]
     record["wait_s"] = max(waits) if waits else None
+    prefetch = ranks[0].get("step_prefetch")
+    if prefetch is not None:
+        record["step_prefetch"] = prefetch
+        if prefetch["stale"] or not prefetch["taken"]:
+            notes.append(
+                f"the optimizer step's gathers were taken {prefetch['taken']} times, stale "
+                f"{prefetch['stale']} times (gathered again), none there {prefetch['fresh']} times"
+            )
     record["notes"] = "; ".join(notes) or None
     return record
 

@@ -300,6 +300,11 @@ def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.devi
     result.update(profiled_step(trial, args, rank, device))
     if trial.system.backend is not None:
         result["summary"] = graphshard_summary(trial.system, device)
+        if trial.system.backend.plan.step_prefetch:
+            from graphshard.api.step_prefetch import stats
+
+            # process-wide counts: this is the only system that binds gathers to the step
+            result["step_prefetch"] = stats()
     return result
 
 
