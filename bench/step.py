@@ -50,8 +50,7 @@ Per system:
   communication: inside the compiled graphs' ``wait_tensor`` and the forward's
   ``take_prefetched`` (its check and wait), and at the end of the step for the gathers the
   optimizer step issued (``System.settle``), slowest rank, the median over the profiled
-  steps. It is the exposed part of the collectives (``graphshard-compiled-edges-off``
-  shows what the step's edges leave).
+  steps: the exposed part of the collectives.
 - ``copy_bytes_per_step`` / ``copy_floor_bytes``: graphshard systems only, the bytes
   graphshard's own kernels move per step and rank (copy-in, casts, padding, copy-out,
   interleave, gradients into the reduce-scatter buffer; ``graphshard.passes.traffic``, as
@@ -315,7 +314,7 @@ def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.devi
         if trial.system.backend.plan.step_prefetch:
             from graphshard.api.step_prefetch import stats
 
-            # process-wide counts: this is the only system that binds gathers to the step
+            # process-wide counts: the only bench system that binds gathers to the step
             result["step_prefetch"] = stats()
     return result
 

@@ -5,9 +5,9 @@ uses AdamW with the same learning rate, and is fed the same synthetic batches, s
 times, memory and losses can be read side by side:
 
 - ``graphshard-compiled``: ``graphshard.shard`` + ``torch.compile(backend=graphshard.backend())``
-- ``graphshard-compiled-edges-off``: the same with ``step_prefetch=False`` and
-  ``split_last_reduce=False`` (the step's edges exposed, as before those options): the
-  ablation row that shows what they save
+- ``graphshard-compiled-step-prefetch``: the same with ``step_prefetch=True`` (the
+  optimizer step gathers the next forward's first buckets; off by default): the row that
+  shows what it saves
 - ``graphshard-eager``: the sharded model without ``torch.compile`` (one gather per use)
 - ``fsdp2-eager``: ``fully_shard`` on every block of ``model.layers``, then on the root
 - ``fsdp2-compiled``: the same, then ``torch.compile(model)`` (Inductor)
@@ -67,7 +67,7 @@ __all__ = [
 
 SYSTEMS: tuple[str, ...] = (
     "graphshard-compiled",
-    "graphshard-compiled-edges-off",
+    "graphshard-compiled-step-prefetch",
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-compiled",
@@ -198,17 +198,17 @@ def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
 
 
 def _graphshard(
-    ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, edges: bool = True
+    ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, step_prefetch: bool = False
 ) -> System:
     from graphshard.api.step_prefetch import wait_issued
 
     name = "graphshard-eager"
     if compiled:
-        name = "graphshard-compiled" if edges else "graphshard-compiled-edges-off"
+        name = "graphshard-compiled-step-prefetch" if step_prefetch else "graphshard-compiled"
     model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx))
     if not compiled:
         return System(name, model, model, _adamw(model, ctx), group=group)
-    backend = graphshard.backend(step_prefetch=edges, split_last_reduce=edges)
+    backend = graphshard.backend(step_prefetch=step_prefetch)
     run = torch.compile(model, backend=backend)
 
     def settle() -> None:
@@ -350,7 +350,9 @@ def _single_compiled(ctx: BenchContext, group: None) -> System:
 
 _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
     "graphshard-compiled": lambda ctx, g: _graphshard(ctx, g, compiled=True),
-    "graphshard-compiled-edges-off": lambda ctx, g: _graphshard(ctx, g, True, edges=False),
+    "graphshard-compiled-step-prefetch": (
+        lambda ctx, g: _graphshard(ctx, g, True, step_prefetch=True)
+    ),
     "graphshard-eager": lambda ctx, g: _graphshard(ctx, g, compiled=False),
     "fsdp2-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=False),
     "fsdp2-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=False),

@@ -158,7 +158,7 @@ def profile_step(rank: int, world_size: int) -> dict:
 
     torch._dynamo.reset()
     model = graphshard.shard(build())
-    run = torch.compile(model, backend=graphshard.backend())
+    run = torch.compile(model, backend=graphshard.backend(step_prefetch=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         run(batch(step, 0, rank)).loss.backward()

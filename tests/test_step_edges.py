@@ -51,8 +51,8 @@ def _llama(name: str, **overrides):
 def test_the_gathers_before_the_first_compute_are_bound(depth, bound):
     with fake_process_group(2):
         tokens = torch.randint(0, 256, (2, 16))
-        on, _ = _stages(_llama("tiny"), tokens, prefetch_depth=depth)
-        off, _ = _stages(_llama("tiny"), tokens, prefetch_depth=depth, step_prefetch=False)
+        on, _ = _stages(_llama("tiny"), tokens, prefetch_depth=depth, step_prefetch=True)
+        off, _ = _stages(_llama("tiny"), tokens, prefetch_depth=depth)
     takes = [n for n in on["fw"].graph.nodes if n.target is TAKE_PREFETCHED]
     assert len(takes) == bound
     assert not [n for n in off["fw"].graph.nodes if n.target is TAKE_PREFETCHED]
@@ -86,7 +86,7 @@ def test_a_gather_the_step_cannot_rebuild_is_left_alone():
     with fw.graph.inserting_before(shard):
         copy = NodeMaker(fw.graph)(torch.ops.aten._to_copy.default, shard.args[0])
     shard.replace_input_with(shard.args[0], copy)
-    step_prefetch(fw, Plan())
+    step_prefetch(fw, Plan(step_prefetch=True))
     assert first.target is c10d.all_gather_into_tensor.default
     assert second.target is TAKE_PREFETCHED and second.kwargs["peers"] == []
 
