@@ -300,3 +300,25 @@ def test_the_gathers_run_during_the_optimizer_step(world2):
         for take in takes:
             assert not within(take, is_gather)
         assert rank["profile"]["stats"]["taken"] == 2
+
+
+def test_importing_graphshard_hooks_no_optimizer():
+    """The global optimizer step hooks are registered by the first bound gather's kernel,
+    not at import: a process that never turns ``step_prefetch`` on keeps plain steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import graphshard, torch\n"
+        "from torch.optim.optimizer import _global_optimizer_post_hooks as post, "
+        "_global_optimizer_pre_hooks as pre\n"
+        "from graphshard.api import step_prefetch\n"
+        "name = step_prefetch.__name__\n"
+        "ours = lambda hooks: [h for h in hooks.values() if h.__module__ == name]\n"
+        "assert not ours(pre) and not ours(post) and not step_prefetch._HOOKS, (pre, post)\n"
+        "step_prefetch._install_hooks(); step_prefetch._install_hooks()\n"
+        "assert len(ours(pre)) == len(ours(post)) == 1, (pre, post)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

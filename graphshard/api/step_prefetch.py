@@ -221,6 +221,7 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
     """The all-gather of ``flat``: the buffer the optimizer step gathered if every rank's
     ``flat`` equals what it sent, else a new gather (completed by the graph's wait). The
     first of a graph's leading gathers settles its ``peers`` too, in the same all-reduce."""
+    _install_hooks()
     _drain_orphans()
     located = [_locate(shard) for shard in shards]
     sid = None
@@ -390,5 +391,12 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> N
     _AFTER_STEP.update(_STATES)
 
 
-_HOOKS = (register_optimizer_step_pre_hook(_pre_step),
-          register_optimizer_step_post_hook(_post_step))
+_HOOKS: list[Any] = []  # the global optimizer step hooks, once a forward has bound a gather
+
+
+def _install_hooks() -> None:
+    """Register the global optimizer step hooks, the first time a ``take_prefetched`` kernel
+    runs: a process that never turns ``step_prefetch`` on never has them on its steps."""
+    if not _HOOKS:
+        _HOOKS.extend((register_optimizer_step_pre_hook(_pre_step),
+                       register_optimizer_step_post_hook(_post_step)))
