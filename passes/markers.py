@@ -24,6 +24,7 @@ __all__ = [
     "TAKE_PREFETCHED",
     "is_unshard",
     "is_reduce_grad",
+    "is_collective_start",
     "UnshardArgs",
     "UnshardSpec",
     "ReduceGradArgs",
@@ -140,6 +141,18 @@ def is_unshard(node: fx.Node) -> bool:
 def is_reduce_grad(node: fx.Node) -> bool:
     """True for a call of the ``reduce_grad`` marker."""
     return node.op == "call_function" and node.target is REDUCE_GRAD
+
+
+def is_collective_start(node: fx.Node) -> bool:
+    """True for a node that starts a collective: a functional c10d op other than
+    ``wait_tensor``, or ``take_prefetched`` (the all-gather the optimizer step may have
+    issued already)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    return target is TAKE_PREFETCHED or (
+        getattr(target, "namespace", None) == "_c10d_functional"
+        and target is not torch.ops._c10d_functional.wait_tensor.default)
 
 
 class UnshardSpec(NamedTuple):

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphshardError
-from graphshard.passes.markers import TAKE_PREFETCHED, is_reduce_grad, is_unshard
+from graphshard.passes.markers import is_collective_start, is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
 
 __all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
@@ -114,17 +114,12 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
             fail(node, "a reduce_grad marker after lower_reduce_grad")
         if stage in _AOT_STAGES and "val" not in node.meta:
             fail(node, 'no meta["val"]')
-        if _is_collective(node):
+        if is_collective_start(node):
             waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
             if len(waits) != 1:
                 fail(node, f"a collective waited on {len(waits)} times (must be once)")
 
 
-def _is_collective(node: fx.Node) -> bool:
-    target = node.target
-    return target is TAKE_PREFETCHED or (
-        getattr(target, "namespace", None) == "_c10d_functional"
-        and target is not _c10d.wait_tensor.default)
 
 
 def _by_kind(order: list[tuple[str, int]]) -> dict[str, list[int]]:

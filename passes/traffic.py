@@ -51,7 +51,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.fx_util import LOWERED
-from graphshard.passes.markers import TAKE_PREFETCHED
+from graphshard.passes.markers import is_collective_start
 
 __all__ = ["CATEGORIES", "Traffic", "traffic", "step_traffic", "format_traffic"]
 
@@ -141,10 +141,8 @@ def _tag(node: fx.Node) -> dict | None:
 
 
 def _is_wire(node: fx.Node) -> bool:
-    """A collective or its wait (``take_prefetched`` is the all-gather the step may have run)."""
-    return node.op == "call_function" and (
-        getattr(node.target, "namespace", None) == "_c10d_functional"
-        or node.target is TAKE_PREFETCHED)
+    """A collective or its wait."""
+    return is_collective_start(node) or node.target is c10d.wait_tensor.default
 
 
 def _is_device_copy(node: fx.Node) -> bool:
