@@ -24,6 +24,7 @@ _COLLECTIVES: dict[str, tuple[str, int]] = {
     "c10d::allreduce_": ("all_reduce", 0),
     "c10d::allreduce_coalesced_": ("all_reduce", 0),
     "c10d::broadcast_": ("broadcast", 0),
+    "c10d::alltoall_base_": ("all_to_all", 1),
 }
 _NOT_COMMUNICATION = {"c10d::barrier", "c10d::monitored_barrier_"}
 _DTYPE_BYTES = {
@@ -53,7 +54,11 @@ RING_FACTOR: dict[str, float] = {
     "reduce_scatter": 1.0,
     "broadcast": 1.0,
     "all_reduce": 2.0,
+    "all_to_all": 1.0,
 }
+# gloo has no reduce-scatter: it all-reduces the whole input and keeps one chunk
+# (``graphshard.api.reduce_scatter``), so its reduce-scatter sends what an all-reduce sends.
+GLOO_RING_FACTOR = {**RING_FACTOR, "reduce_scatter": RING_FACTOR["all_reduce"]}
 
 
 def _shapes(event: Any) -> list[Any]:
@@ -66,15 +71,18 @@ def _shapes(event: Any) -> list[Any]:
     return structured() if structured is not None else event.shapes()
 
 
-def count_collectives(events: list[Any], world_size: int, default_elem: int) -> dict[str, Any]:
+def count_collectives(events: list[Any], world_size: int, default_elem: int,
+                      gloo: bool = False) -> dict[str, Any]:
     """Count the ``c10d::`` collectives among profiler events and the ring bytes one rank sends.
 
     ``default_elem`` is the element size used where the profiler records no dtype (tensor-list
-    arguments). Returns counts per kind, ``total``, ``bytes``, any unrecognised c10d ops and
+    arguments). ``gloo``: the collectives ran on gloo, whose reduce-scatter sends as much as
+    an all-reduce. Returns counts per kind, ``total``, ``bytes``, any unrecognised c10d ops and
     ``unsized``: collectives whose buffer the profiler did not size (a tensor-list argument
     on a torch without ``structured_input_shapes``, or a list of lists), counted as 0 bytes.
     """
     ring = (world_size - 1) / world_size
+    factors = GLOO_RING_FACTOR if gloo else RING_FACTOR
     counts = dict.fromkeys(RING_FACTOR, 0)
     sent = 0.0
     unsized = 0
@@ -95,7 +103,7 @@ def count_collectives(events: list[Any], world_size: int, default_elem: int) -> 
             unsized += 1
             continue
         elem = _DTYPE_BYTES.get(dtype, default_elem)
-        sent += RING_FACTOR[kind] * ring * _numel(shapes[arg]) * elem
+        sent += factors[kind] * ring * _numel(shapes[arg]) * elem
     return {
         **counts,
         "total": sum(counts.values()),
@@ -183,7 +191,8 @@ def communication(ranks: list[dict], notes: list[str]) -> dict[str, Any]:
         return out
     out.update(
         collectives_per_step=(
-            summary["all_gathers"] + summary["reduce_scatters"] + summary.get("checks", 0)
+            summary["all_gathers"] + summary["reduce_scatters"] + summary.get("all_reduces", 0)
+            + summary.get("checks", 0)
         ),
         copy_bytes_per_step=summary.get("copy_bytes"),
         copy_floor_bytes=summary.get("copy_floor_bytes"),

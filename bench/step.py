@@ -284,7 +284,8 @@ def profiled_step(
         comm = count_logged(logged, world_size)
     else:
         param = next(system.module.parameters())
-        comm = count_collectives(events, world_size, local_tensor(param).element_size())
+        comm = count_collectives(events, world_size, local_tensor(param).element_size(),
+                                 gloo=device.type == "cpu")
     result = {"peak_mem_bytes": int(peak), "comm": comm}
     if system.backend is not None:
         result["wait_s"] = wait_time(events)

@@ -68,6 +68,7 @@ __all__ = [
 SYSTEMS: tuple[str, ...] = (
     "graphshard-compiled",
     "graphshard-compiled-step-prefetch",
+    "graphshard-compiled-rs-collective",
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-compiled",
@@ -198,17 +199,15 @@ def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
 
 
 def _graphshard(
-    ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, step_prefetch: bool = False
+    ctx: BenchContext, group: dist.ProcessGroup, name: str, **options: Any
 ) -> System:
+    """graphshard's system ``name``: eager, or compiled with backend ``options``."""
     from graphshard.api.step_prefetch import wait_issued
 
-    name = "graphshard-eager"
-    if compiled:
-        name = "graphshard-compiled-step-prefetch" if step_prefetch else "graphshard-compiled"
     model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx))
-    if not compiled:
+    if name == "graphshard-eager":
         return System(name, model, model, _adamw(model, ctx), group=group)
-    backend = graphshard.backend(step_prefetch=step_prefetch)
+    backend = graphshard.backend(**options)
     run = torch.compile(model, backend=backend)
 
     def settle() -> None:
@@ -349,11 +348,14 @@ def _single_compiled(ctx: BenchContext, group: None) -> System:
 
 
 _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
-    "graphshard-compiled": lambda ctx, g: _graphshard(ctx, g, compiled=True),
-    "graphshard-compiled-step-prefetch": (
-        lambda ctx, g: _graphshard(ctx, g, True, step_prefetch=True)
-    ),
-    "graphshard-eager": lambda ctx, g: _graphshard(ctx, g, compiled=False),
+    "graphshard-compiled": lambda ctx, g: _graphshard(ctx, g, "graphshard-compiled"),
+    "graphshard-compiled-step-prefetch": lambda ctx, g: _graphshard(
+        ctx, g, "graphshard-compiled-step-prefetch", step_prefetch=True),
+    # gloo's own reduce-scatter (an all-reduce of the whole buffer) instead of the all-to-all
+    # graphshard picks on gloo; on NCCL the same graphs as graphshard-compiled
+    "graphshard-compiled-rs-collective": lambda ctx, g: _graphshard(
+        ctx, g, "graphshard-compiled-rs-collective", reduce_scatter_via="reduce_scatter"),
+    "graphshard-eager": lambda ctx, g: _graphshard(ctx, g, "graphshard-eager"),
     "fsdp2-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=False),
     "fsdp2-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=False),
     "fsdp2-prefetch-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=True),

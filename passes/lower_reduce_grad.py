@@ -10,6 +10,12 @@ gradients held back by ``no_sync`` are added in, full ones before the reduce-sca
 reduce-scattered partials before the all-reduce. It is issued once the bucket's last
 gradient exists; its wait sits just after it (the scheduling passes delay it).
 
+Where the group's reduce-scatter is an all-reduce in disguise (gloo: see
+``graphshard.api.reduce_scatter``), ``Plan.reduce_scatter_via`` makes it an all-to-all of
+the same flat buffer (each rank receives every rank's copy of its own pieces) followed,
+after the wait, by their sum in rank order (and the division of an average): half the bytes
+on the wire. The all-to-all carries the same ``graphshard`` tag as the reduce-scatter would.
+
 With CPU offload the markers carry an ``out_device`` (the host): the bucket's reduced flat
 buffer (after the replica all-reduce and the cast back) is copied there in one blocking
 ``aten._to_copy`` (tagged ``meta["graphshard_copy"]``), and the shards' gradients are views
@@ -29,7 +35,7 @@ from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
 from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major
 from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op
-from graphshard.passes.plan import Bucket, Plan, collect_buckets
+from graphshard.passes.plan import Bucket, Plan, collect_buckets, use_all_to_all
 
 __all__ = ["lower_reduce_grad"]
 
@@ -43,7 +49,9 @@ def lower_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             for node in bucket.nodes:
                 _lower_local(gm.graph, make, node, bucket.index)
         else:
-            _lower_bucket(gm.graph, make, bucket)
+            backend = bucket.nodes[-1].meta.get("group_backend")
+            _lower_bucket(gm.graph, make, bucket,
+                          all_to_all=use_all_to_all(plan.reduce_scatter_via, backend))
     return gm
 
 
@@ -90,7 +98,7 @@ def _check_users_after(graph: fx.Graph, bucket: Bucket, anchor: fx.Node) -> None
                 )
 
 
-def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: bool) -> None:
     anchor = bucket.nodes[-1]
     _check_users_after(graph, bucket, anchor)
     first = marker_args(bucket.nodes[0])
@@ -108,13 +116,22 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
             columns.append(rank_major(make, grad, layouts[-1], contiguous=dense))
         matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
         flat = make(aten.view.default, matrix, [-1])
-        reduced = _reduce(make, "reduce_scatter", flat, world, group)
+        kind = "all_to_all" if all_to_all else "reduce_scatter"
+        reduced = _reduce(make, kind, flat, world, group)
         reduced.meta["graphshard"] = {
             "kind": "reduce_grad",
             "bucket": bucket.index,
             "params": bucket.names,
         }
+        if all_to_all:
+            reduced.meta["graphshard"]["group_size"] = world
         result = make(c10d.wait_tensor.default, reduced)
+        if all_to_all:  # every rank's copy of this rank's pieces, summed in rank order
+            op, _ = reduce_op(flat.meta["val"].dtype, world)
+            rows = make(aten.view.default, result, [world, -1])
+            result = make(aten.sum.dim_IntList, rows, [0])
+            if op == "avg":
+                result = make(aten.div.Tensor, result, world)
         pending = [marker_args(n).pending_partial for n in bucket.nodes]
         if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
             result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
@@ -155,6 +172,9 @@ def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str) ->
         flat = make(aten.mul.Tensor, flat, factor)
     if kind == "reduce_scatter":
         return make(c10d.reduce_scatter_tensor.default, flat, op, size, group)
+    if kind == "all_to_all":  # the op is applied by the sum after the wait
+        splits = [flat.meta["val"].numel() // size] * size
+        return make(c10d.all_to_all_single.default, flat, splits, splits, group)
     return make(c10d.all_reduce.default, flat, op, group)
 
 

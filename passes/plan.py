@@ -11,10 +11,19 @@ from graphshard.passes.cost_model import HardwareProfile, get_profile
 from graphshard.passes.errors import GraphshardValueError
 from graphshard.passes.markers import marker_args
 
-__all__ = ["Plan", "Bucket", "collect_buckets"]
+__all__ = ["Plan", "Bucket", "collect_buckets", "use_all_to_all", "ALL_TO_ALL_BACKENDS"]
 
 
 BUCKETING = ("block", "size", "auto")
+REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_to_all")
+# Process-group backends whose reduce-scatter is an all-reduce of the whole input (gloo's).
+ALL_TO_ALL_BACKENDS = frozenset({"gloo"})
+
+
+def use_all_to_all(via: str, backend: str | None) -> bool:
+    """Whether a reduce-scatter asked for ``via`` (a ``Plan.reduce_scatter_via``) on a group
+    of ``backend`` (None: unknown, e.g. offline) runs as an all-to-all plus a sum."""
+    return via == "all_to_all" or (via == "auto" and backend in ALL_TO_ALL_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,14 @@ class Plan:
             reduce-scatter of their own, issued when they are ready, where the cost model
             predicts it shortens the exposed end of the backward
             (:mod:`graphshard.passes.split_reduce`).
+        reduce_scatter_via: how a bucket's gradients are reduce-scattered. ``"reduce_scatter"``:
+            the collective. ``"all_to_all"``: each rank sends every other rank that rank's
+            piece (an all-to-all) and sums the pieces it receives, the same result with half
+            the bytes on the wire where the backend's reduce-scatter is an all-reduce of the
+            whole buffer (gloo's is: it clones the input, all-reduces it and keeps one chunk).
+            ``"auto"`` (default): ``"all_to_all"`` on gloo groups, the collective elsewhere
+            (the backend reads each group's backend before the passes run; offline, with no
+            process group, it is the collective).
     """
 
     prefetch_depth: int = 1
@@ -60,11 +77,17 @@ class Plan:
     reshard_last_bucket: bool = False
     step_prefetch: bool = False
     split_last_reduce: bool = True
+    reduce_scatter_via: str = "auto"
 
     def __post_init__(self) -> None:
         if self.bucketing not in BUCKETING:
             raise GraphshardValueError(
                 f"bucketing must be one of {BUCKETING}, got {self.bucketing!r}"
+            )
+        if self.reduce_scatter_via not in REDUCE_SCATTER_VIA:
+            raise GraphshardValueError(
+                f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got "
+                f"{self.reduce_scatter_via!r}"
             )
         if self.prefetch_depth < 0:
             raise GraphshardValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")

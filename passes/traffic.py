@@ -38,7 +38,8 @@ nothing to pad); every cast is fused into the copy-in; padding writes its zeros 
 parameter of a multi-parameter bucket gathered over several ranks is materialised once (its
 real rows read and written by one interleave), any other parameter is a view of the
 gathered buffer. What the semantics ask beyond that (a cast at world 1, the cast of reduced
-gradients back, offload copies, held-back gradients added) counts at what it moves.
+gradients back, offload copies, held-back gradients added, the sum after an all-to-all
+reduce-scatter) counts at what it moves.
 Figures are per rank, for the rank whose graphs these are (padding differs by rank).
 """
 
@@ -63,7 +64,7 @@ c10d = torch.ops._c10d_functional
 
 CATEGORIES = (
     "copy_in", "cast", "padding", "copy_out", "interleave", "offload",
-    "grad_copy_in", "grad_cast", "grad_padding", "grad_other",
+    "grad_copy_in", "grad_cast", "grad_padding", "grad_reduce", "grad_other",
 )
 
 VIEWS = {
@@ -259,12 +260,16 @@ class _Account:
                     reads[(base, least)] = (base, arg, _bytes(base, least))
         return list(reads.values()), members
 
-    def category(self, root: fx.Node, side: str, phase: str, reads) -> str:
+    def category(self, root: fx.Node, side: str, phase: str, reads, members) -> str:
         """The copy that writes the collective's buffer is the copy-in (whatever is fused into
         it); a cast kernel of its own is a cast; after the gather, a copy from a strided
-        column is the interleave."""
+        column is the interleave; after an all-to-all reduce-scatter, the kernel that sums
+        the received pieces is the reduction."""
         if _is_device_copy(root):
             return "offload"
+        if side != "unshard" and phase == "post" and any(
+                n.target is aten.sum.dim_IntList for n in members):
+            return "grad_reduce"
         cast = root.target in _CASTS
         feeds = phase == "pre" and any(_is_wire(c) for c in self.consumers(root))
         if side == "unshard":
@@ -324,13 +329,13 @@ class _Account:
             reads, inside = self.kernel(node)
             phase = "local" if collective is None else ("pre" if node in before else "post")
             pad = _padding(inside)
-            yield (phase, self.category(node, side, phase, reads),
+            yield (phase, self.category(node, side, phase, reads, inside),
                    sum(b for _, _, b in reads) + _bytes(node) - pad, pad)
 
     def bucket_minimum(self, side, nodes, collective, before):
         """(category, bytes) of the least one bucket's side must move (see the module doc)."""
         for phase, category, size, _ in self.kernels(side, nodes, collective, before):
-            if category in ("offload", "grad_other") or (
+            if category in ("offload", "grad_reduce", "grad_other") or (
                 category in ("cast", "grad_cast") and phase != "pre"
             ):
                 yield category, size  # what the semantics ask for
@@ -342,6 +347,8 @@ class _Account:
         pad = _padding([n for n in before if self.is_data(n)])
         yield ("padding" if side == "unshard" else "grad_padding"), pad
         world = collective.args[1] if side == "unshard" else collective.args[2]
+        if isinstance(world, (list, tuple)):  # an all-to-all reduce-scatter: its split sizes
+            world = len(world)
         whole = world == 1 or (
             len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
             and _val(leaves[0]).numel() == _val(buffer).numel()

@@ -18,6 +18,7 @@ from torch import nn
 import graphshard
 from graphshard.models.llama import Llama, llama_config
 from graphshard.models.mlp import MLPOutput, OddMLP
+from graphshard.passes.markers import is_collective_start
 
 STEPS = 5
 LR, MOMENTUM = 0.05, 0.9
@@ -137,6 +138,8 @@ VARIANTS: dict[str, dict] = {
     "size": {"bucketing": "size", "bucket_bytes": 600},
     "auto": {"bucketing": "auto"},
     "auto_capped": {"bucketing": "auto", "prefetch_depth": 2, "max_unsharded_bytes": 200_000},
+    # gloo's own reduce-scatter (an all-reduce in disguise) instead of the all-to-all
+    "rs_collective": {"reduce_scatter_via": "reduce_scatter"},
 }
 
 
@@ -157,7 +160,10 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    return {"losses": losses, "state": full_state(model)}
+    bw_collectives = sorted({
+        str(node.target) for stages in backend.graphs if "bw" in stages
+        for node in stages["bw"].graph.nodes if is_collective_start(node)})
+    return {"losses": losses, "state": full_state(model), "bw_collectives": bw_collectives}
 
 
 def train_reference(case: str, world_size: int) -> dict:

@@ -26,6 +26,7 @@ from graphshard.models.llama import Llama, llama_config
 SYSTEMS = [
     "graphshard-compiled",
     "graphshard-compiled-step-prefetch",
+    "graphshard-compiled-rs-collective",
     "graphshard-eager",
     "fsdp2-eager",
     "fsdp2-prefetch-eager",
@@ -112,6 +113,25 @@ def test_graphshard_rows_count_waits_copies_and_the_step_prefetch_check(two_rank
     assert on["bytes_per_step"] == off["bytes_per_step"]
     for name in ("fsdp2-eager", "ddp-compiled", "single-compiled"):
         assert systems[name]["wait_s"] is None and systems[name]["copy_bytes_per_step"] is None
+
+
+def test_graphshard_reduces_by_all_to_all_on_gloo(two_ranks):
+    """On gloo the default lowers every gradient reduce-scatter to an all-to-all plus a sum;
+    the rs-collective row keeps gloo's reduce-scatter. The same wire bytes are counted for
+    both (what a real reduce-scatter would send), the same losses come out (world 2: the
+    same bits), and only the all-to-all's sum shows up as ``grad_reduce`` traffic."""
+    systems = _by_name(two_ranks[0])
+    a2a, rs = systems["graphshard-compiled"], systems["graphshard-compiled-rs-collective"]
+    summary_a2a, summary_rs = a2a["graphshard_summary"], rs["graphshard_summary"]
+    assert summary_a2a["reduce_scatters_as_all_to_all"] == summary_a2a["reduce_scatters"] > 0
+    assert summary_rs["reduce_scatters_as_all_to_all"] == 0 and summary_rs["reduce_scatters"] > 0
+    assert a2a["bytes_per_step"] == rs["bytes_per_step"]
+    assert a2a["loss_per_step"] == rs["loss_per_step"]
+    assert summary_a2a["copy_bytes_by_category"].get("grad_reduce", 0) > 0
+    assert "grad_reduce" not in summary_rs["copy_bytes_by_category"]
+    # the profiler sees the all-to-alls as the summary counts them
+    assert a2a["comm_profiled"]["all_to_all"] == summary_a2a["reduce_scatters"]
+    assert rs["comm_profiled"]["all_to_all"] == 0
 
 
 def test_every_system_starts_from_the_same_loss(two_ranks):
@@ -331,6 +351,22 @@ def test_count_collectives_on_torch_without_structured_shapes():
     assert comm["all_gather"] == 1 and comm["all_reduce"] == 1 and comm["total"] == 2
     assert comm["bytes"] == 8 * 4 * 4 // 2  # the gather; the list all-reduce is unsized
     assert comm["unsized"] == 1
+
+
+def test_gloo_reduce_scatter_counts_as_the_all_reduce_it_is():
+    """gloo's reduce-scatter all-reduces the whole input: 2(N-1)/N of it on the wire, as
+    much as an all-reduce; an all-to-all sends the (N-1)/N of its input that leaves."""
+    events = [
+        _Event("c10d::_reduce_scatter_base_", [[4, 4], [8, 4], [], []],
+               ["float", "float", "", ""]),
+        _Event("c10d::alltoall_base_", [[8, 4], [8, 4], [], [], []],
+               ["float", "float", "", "", ""]),
+    ]
+    ring = count_collectives(events, world_size=2, default_elem=4)
+    gloo = count_collectives(events, world_size=2, default_elem=4, gloo=True)
+    assert ring["reduce_scatter"] == ring["all_to_all"] == 1 and ring["total"] == 2
+    assert ring["bytes"] == 8 * 4 * 4 // 2 + 8 * 4 * 4 // 2
+    assert gloo["bytes"] == 8 * 4 * 4 + 8 * 4 * 4 // 2
 
 
 def test_block_bucket_plans_follow_graph_trainer():

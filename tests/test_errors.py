@@ -106,6 +106,7 @@ def test_unknown_backend_option_names_the_known_ones():
         ({"bucketing": "layers"}, "bucketing must be one of"),
         ({"prefetch_depth": -1}, "prefetch_depth must be >= 0"),
         ({"bucket_bytes": 0}, "bucket_bytes must be positive"),
+        ({"reduce_scatter_via": "ring"}, "reduce_scatter_via must be one of"),
     ],
 )
 def test_bad_plan_values(options, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_utils import run_ranks
 from parity import CASES, assert_matches, run_jobs, train_reference
 
@@ -16,6 +17,7 @@ VARIANT_JOBS = [
     ("llama_untied", "compiled", "depth2"),
     ("llama_tied", "compiled", "auto"),
     ("llama_untied", "compiled", "auto_capped"),
+    ("llama_tied", "compiled", "rs_collective"),
 ]
 
 
@@ -41,6 +43,23 @@ def test_world2_schedule_variants_match_single_process(world2, job):
     reference = train_reference(job[0], 2)
     for rank_results in world2:
         assert_matches(rank_results[job], reference)
+
+
+def test_gloo_reduce_scatters_run_as_all_to_all_with_the_same_bits(world2):
+    """On gloo, ``reduce_scatter_via="auto"`` lowers every gradient reduce-scatter to an
+    all-to-all plus a sum (gloo's own reduce-scatter all-reduces the whole buffer); at world
+    2 the sum of two pieces is the one gloo computes, so training is bit-identical to the
+    collective's."""
+    for rank_results in world2:
+        via_a2a = rank_results[("llama_tied", "compiled")]
+        via_rs = rank_results[("llama_tied", "compiled", "rs_collective")]
+        assert "_c10d_functional.all_to_all_single.default" in via_a2a["bw_collectives"]
+        assert "_c10d_functional.reduce_scatter_tensor.default" not in via_a2a["bw_collectives"]
+        assert "_c10d_functional.reduce_scatter_tensor.default" in via_rs["bw_collectives"]
+        assert "_c10d_functional.all_to_all_single.default" not in via_rs["bw_collectives"]
+        assert via_a2a["losses"] == via_rs["losses"]
+        for key, value in via_rs["state"].items():
+            assert torch.equal(via_a2a["state"][key], value), key
 
 
 @pytest.mark.parametrize("case,mode", WORLD3_JOBS)

@@ -46,6 +46,7 @@ prims = torch.ops.prims
 AG = c10d.all_gather_into_tensor.default
 RS = c10d.reduce_scatter_tensor.default
 AR = c10d.all_reduce.default
+A2A = c10d.all_to_all_single.default
 WAIT = c10d.wait_tensor.default
 WORLD = 2
 
@@ -132,7 +133,7 @@ class _Comm(fx.Interpreter):
         self.rank, self.results, self.sent = rank, results, {}
 
     def run_node(self, n: fx.Node):
-        if n.op == "call_function" and n.target in (AG, RS):
+        if n.op == "call_function" and n.target in (AG, RS, A2A):
             key = (n.target, n.meta["graphshard"]["bucket"])
             self.sent[key] = (self.env[n.args[0]].clone(), n.args[1])
             if self.results is None:
@@ -153,6 +154,8 @@ def run_ranks(graphs: list[fx.GraphModule], inputs: list[list[torch.Tensor]]) ->
         sent = [interp.sent[key][0] for interp in first]
         if key[0] is AG:
             results[key] = [torch.cat(sent)] * WORLD
+        elif key[0] is A2A:  # rank r receives every rank's r-th piece, in rank order
+            results[key] = [torch.cat([s.chunk(WORLD)[r] for s in sent]) for r in range(WORLD)]
         else:
             op = first[0].sent[key][1]  # "avg", or "sum" of pre-scaled fp16
             total = torch.stack(sent).mean(0) if op == "avg" else torch.stack(sent).sum(0)
@@ -640,6 +643,55 @@ def test_lower_reduce_grad_hands_each_rank_the_averaged_rows(group):
             mean = (grads[0][i] + grads[1][i]) / 2
             want = Dim0Layout(FULL[n], WORLD).local(mean, rank)
             torch.testing.assert_close(got, want)
+
+
+def test_lower_reduce_grad_via_all_to_all_sums_the_received_pieces(group):
+    """``reduce_scatter_via="all_to_all"`` (gloo's choice): the same flat buffer goes out in
+    one all-to-all with even splits, carrying the reduce-scatter's tag; after its wait the
+    WORLD received pieces are summed over the rank dimension and averaged. No
+    reduce-scatter is left."""
+    gm = run("bw", lower_reduce_grad, _bucket_grads(group, 1), reduce_scatter_via="all_to_all")
+    assert not calls(gm, RS)
+    (a2a,) = calls(gm, A2A)
+    assert shape(a2a.args[0]) == (54,) and a2a.args[1:] == ([27, 27], [27, 27], group)
+    assert a2a.meta["graphshard"] == {"kind": "reduce_grad", "bucket": 0,
+                                      "params": ["w", "b"], "group_size": WORLD}
+    (wait,) = calls(gm, WAIT)
+    (total,) = calls(gm, aten.sum.dim_IntList)
+    (mean,) = calls(gm, aten.div.Tensor)
+    assert total.args[0].args[0] is wait and shape(total.args[0]) == (WORLD, 27)
+    assert total.args[1] == [0] and mean.args == (total, WORLD) and shape(mean) == (27,)
+    assert [shape(o) for o in outputs(gm)] == [(2, 8), (2,)]
+    fp16 = run("bw", lower_reduce_grad, _bucket_grads(group, 0, dtype=torch.float16),
+               reduce_scatter_via="all_to_all")
+    assert calls(fp16, aten.mul.Tensor) and not calls(fp16, aten.div.Tensor)  # scaled, summed
+
+
+def test_lower_reduce_grad_auto_picks_all_to_all_for_gloo_groups_only(group):
+    """``"auto"`` reads the group backend the compiler recorded on the markers: gloo gets
+    the all-to-all, any other backend (or none recorded, offline) the reduce-scatter."""
+    for backend, want in (("gloo", A2A), ("nccl", RS), (None, RS)):
+        gm = _bucket_grads(group, 0)
+        for node in calls(gm, REDUCE_GRAD):
+            node.meta["group_backend"] = backend
+        gm = run("bw", lower_reduce_grad, gm)
+        assert [n.target for n in gm.graph.nodes if n.target in (RS, A2A)] == [want], backend
+
+
+def test_lower_reduce_grad_via_all_to_all_hands_each_rank_the_averaged_rows(group):
+    """The all-to-all lowering, run on both ranks with the exchange done by hand, gives
+    each rank exactly what the reduce-scatter lowering gives it."""
+    torch.manual_seed(0)
+    names = tuple(FULL)
+    grads = [[torch.randn(FULL[n]) for n in names] for _ in range(WORLD)]
+    got = {}
+    for via in ("reduce_scatter", "all_to_all"):
+        graphs = [run("bw", lower_reduce_grad, _bucket_grads(group, r, names),
+                      reduce_scatter_via=via) for r in range(WORLD)]
+        got[via] = run_ranks(graphs, grads)
+    for rs_out, a2a_out in zip(got["reduce_scatter"], got["all_to_all"], strict=True):
+        for a, b in zip(rs_out, a2a_out, strict=True):
+            assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------- prefetch

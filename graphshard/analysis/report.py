@@ -32,7 +32,7 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
             continue
         full = node.meta["val"] if tag["kind"] == "unshard" else node.args[0].meta["val"]
         kind = collective_kind(node)
-        world = tag.get("group_size") if kind == "all_reduce" else node.args[-2]
+        world = tag.get("group_size") if kind in ("all_reduce", "all_to_all") else node.args[-2]
         rows.append(
             {
                 "kind": kind,
@@ -87,11 +87,12 @@ def step_summary(graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfi
 
     ``graphs`` is ``GraphshardBackend.graphs``. Bytes are what one rank sends on a ring for
     graphshard's own collectives: ``(N-1)/N`` of each all-gather's or reduce-scatter's full
-    (unsharded) buffer, ``2(N-1)/N`` of an (HSDP) all-reduce's. Collectives graphshard did
+    (unsharded) buffer (also when the reduce-scatter runs as an all-to-all, on gloo),
+    ``2(N-1)/N`` of an (HSDP) all-reduce's. Collectives graphshard did
     not insert (tensor parallelism's) are in :func:`collectives_by_group`; the predicted
     times include them.
     """
-    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0}
     sent = 0.0
     predicted = exposed = 0.0
     peak = 0
@@ -109,7 +110,8 @@ def step_summary(graphs: list[dict[str, fx.GraphModule]], profile: HardwareProfi
             peak = max(peak, timeline.peak_unsharded_bytes)
     return {
         "all_gathers": counts["all_gather"],
-        "reduce_scatters": counts["reduce_scatter"],
+        "reduce_scatters": counts["reduce_scatter"] + counts["all_to_all"],
+        "reduce_scatters_as_all_to_all": counts["all_to_all"],
         "all_reduces": counts["all_reduce"],
         "bytes_sent_per_rank": int(round(sent)),
         "predicted_step_s": predicted,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from graphshard.api.reduce_scatter import reduce_scatter
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -61,11 +62,9 @@ def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -
     op, factor = reduce_op(tensor.dtype, group_size)
     if factor != 1.0:
         tensor = tensor * factor
-    if kind == "reduce_scatter":
-        out = _c10d.reduce_scatter_tensor(tensor.contiguous(), op, group_size, group_name)
-    else:
-        out = _c10d.all_reduce(tensor.contiguous(), op, group_name)
-    return _c10d.wait_tensor(out)
+    if kind == "reduce_scatter":  # gloo's as an all-to-all, as the compiled path does it
+        return reduce_scatter(tensor, op, group_size, group_name)
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
 
 
 def _reduce_grad_eager(grad, *args, **kwargs):

@@ -24,7 +24,7 @@ from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (register
 from graphshard.compiler.cache_key import meshes_pickle_without_hash
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
-from graphshard.compiler.pipeline import record_group_sizes, run_passes
+from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.errors import GraphshardTypeError
 from graphshard.passes import Plan
 from graphshard.safety.fingerprint import check_compile_plan
@@ -101,7 +101,7 @@ class GraphshardBackend:
         self.graphs.append(stages)
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
-            record_group_sizes(graph)
+            record_group_facts(graph)
             stages[stage] = run_passes(stage, graph, plan, dumper, self.pass_seconds)
             if dumper.enabled and stage in ("fw", "bw", "inference"):
                 write_schedule(stages[stage], plan.profile, dumper.dir, stage)

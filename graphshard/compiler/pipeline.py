@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import fx
 
+from graphshard.api.reduce_scatter import group_backend
 from graphshard.compiler.dump import GraphDumper
 from graphshard.passes import (
     Plan,
@@ -38,9 +39,10 @@ from graphshard.passes import (
     step_prefetch,
 )
 from graphshard.passes.cost_model import collective_group, collective_kind
+from graphshard.passes.markers import is_reduce_grad, marker_args
 from graphshard.passes.runner import PassRunner
 
-__all__ = ["PIPELINE", "Pass", "run_passes", "record_group_sizes"]
+__all__ = ["PIPELINE", "Pass", "run_passes", "record_group_facts"]
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
@@ -62,16 +64,28 @@ def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
     return runner.run(stage, PIPELINE[stage], gm, plan)
 
 
-def record_group_sizes(gm: fx.GraphModule) -> None:
-    """Write ``node.meta["group_size"]`` on every all-reduce and all-to-all of ``gm`` whose
-    arguments only name their group (DTensor's tensor-parallel collectives), so that the
-    cost model, which never sees a process group, can price them. Groups this process does
-    not know are left alone."""
+def record_group_facts(gm: fx.GraphModule) -> None:
+    """Write down, on the nodes of ``gm``, what the passes need from the live process groups
+    (the passes themselves never look at one):
+
+    - ``node.meta["group_size"]`` on every all-reduce and all-to-all whose arguments only
+      name their group (DTensor's tensor-parallel collectives), so that the cost model can
+      price them;
+    - ``node.meta["group_backend"]`` (``"gloo"``, ``"nccl"``, ...) on every ``reduce_grad``
+      marker, so that ``lower_reduce_grad`` picks the reduce-scatter algorithm of the group
+      (``Plan.reduce_scatter_via="auto"``).
+
+    Groups this process does not know are left alone."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for node in gm.graph.nodes:
+        if is_reduce_grad(node):
+            args = marker_args(node)
+            device = args.grad.meta["val"].device if "val" in args.grad.meta else "cpu"
+            node.meta["group_backend"] = group_backend(args.group_name, device)
+            continue
         if collective_kind(node) not in ("all_reduce", "all_to_all"):
             continue
         name, size = collective_group(node)
