@@ -169,6 +169,29 @@ def test_gradients_into_the_reduce_scatter_buffer():
     assert t.minimum == t.moved and t.kernels == 1
 
 
+def test_the_sum_after_an_all_to_all_reduce_scatter_is_the_reduction():
+    """gloo's lowering: the same buffer goes out in an all-to-all; the kernel that sums the
+    2 received pieces (2 x 8 read) and averages them (8 written), fused as Inductor fuses
+    it, is ``grad_reduce``, which the minimum counts at what it moves."""
+    b = Builder()
+    g, h = b.input("g", 4, 3), b.input("h", 3)
+    with b.lowered("reduce_grad"):
+        cg = b(aten.view.default, g, [2, 6])
+        ch = b(aten.view.default, b(aten.constant_pad_nd.default,
+                                    b(aten.view.default, h, [3, 1]), [0, 0, 0, 1], 0.0), [2, 2])
+        flat = b(aten.view.default, b(aten.cat.default, [cg, ch], 1), [-1])
+        received = b(c10d.wait_tensor.default,
+                     b(c10d.all_to_all_single.default, flat, [8, 8], [8, 8], "0"))
+        total = b(aten.sum.dim_IntList, b(aten.view.default, received, [2, -1]), [0])
+        piece = b(aten.div.Tensor, total, 2)
+        rg = b(aten.view.default, b(aten.slice.Tensor, piece, 0, 0, 6), [2, 3])
+        rh = b(aten.view.default, b(aten.slice.Tensor, piece, 0, 6, 8), [2])
+    t = traffic(b.module(rg, rh))
+    only(t, grad_copy_in=(12 + 3 + 16 - 1) * F32, grad_padding=1 * F32,
+         grad_reduce=(16 + 8) * F32)
+    assert t.minimum == t.moved and t.kernels == 2
+
+
 def test_a_strided_gradient_copied_first_costs_a_kernel_op_by_op():
     gm = grad_reduce(Builder(), strided=True)
     fused = traffic(gm)

@@ -72,9 +72,10 @@ class GraphshardBackend:
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
         inductor: compile the transformed graphs with Inductor (default); False runs them
             as they are, op by op, which is slower but shows exactly what the passes built.
-        **plan_options: the scheduling and bucketing options of :class:`graphshard.passes.Plan`
-            (``prefetch_depth``, ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``,
-            ``profile``, ``reshard_last_bucket``).
+        **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
+            ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
+            ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
+            ``reduce_scatter_via``).
     """
 
     def __init__(
