@@ -132,6 +132,10 @@ def test_graphshard_reduces_by_all_to_all_on_gloo(two_ranks):
     # the profiler sees the all-to-alls as the summary counts them
     assert a2a["comm_profiled"]["all_to_all"] == summary_a2a["reduce_scatters"]
     assert rs["comm_profiled"]["all_to_all"] == 0
+    # the eager kernels pick the same algorithm: one all-to-all per parameter, no gloo
+    # reduce-scatter
+    eager = systems["graphshard-eager"]["comm_profiled"]
+    assert eager["all_to_all"] > 0 and eager["reduce_scatter"] == 0
 
 
 def test_every_system_starts_from_the_same_loss(two_ranks):

@@ -38,7 +38,8 @@ def group_backend(group_name: str, device: torch.device) -> str | None:
         backend = group._get_backend(torch.device(device))
     except (ValueError, RuntimeError, KeyError):
         return None
-    if isinstance(backend, dist.ProcessGroupGloo):
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+    if gloo is not None and isinstance(backend, gloo):
         return "gloo"
     name = getattr(backend, "name", None)
     return name() if callable(name) else None
