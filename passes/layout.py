@@ -172,3 +172,12 @@ def local_from_reduced(op: Op, piece: Any, layout: Dim0Layout, local_rows: int) 
     if local_rows != layout.rows:
         shaped = op(aten.slice.Tensor, shaped, 0, 0, local_rows)
     return shaped
+
+
+def sum_received(op: Op, received: Any, world: int, average: bool) -> Any:
+    """The pieces an all-to-all reduce-scatter received (``[world * piece]``, rank order)
+    reduced to this rank's piece: summed in rank order, divided by ``world`` for an average.
+    Eager and compiled paths both use it, so they compute the same numbers."""
+    rows = op(aten.view.default, received, [world, -1])
+    total = op(aten.sum.dim_IntList, rows, [0])
+    return op(aten.div.Tensor, total, world) if average else total

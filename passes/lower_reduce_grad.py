@@ -33,7 +33,7 @@ from torch import fx
 
 from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
-from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major
+from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major, sum_received
 from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op
 from graphshard.passes.plan import Bucket, Plan, collect_buckets, use_all_to_all
 
@@ -128,10 +128,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: 
         result = make(c10d.wait_tensor.default, reduced)
         if all_to_all:  # every rank's copy of this rank's pieces, summed in rank order
             op, _ = reduce_op(flat.meta["val"].dtype, world)
-            rows = make(aten.view.default, result, [world, -1])
-            result = make(aten.sum.dim_IntList, rows, [0])
-            if op == "avg":
-                result = make(aten.div.Tensor, result, world)
+            result = sum_received(make, result, world, average=op == "avg")
         pending = [marker_args(n).pending_partial for n in bucket.nodes]
         if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
             result = make(aten.add.Tensor, result, _flat(make, pending, layouts))

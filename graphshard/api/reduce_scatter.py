@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from graphshard.passes.layout import eager, sum_received
 from graphshard.passes.plan import use_all_to_all
 
-__all__ = ["group_backend", "reduce_scatter", "sum_pieces"]
+__all__ = ["group_backend", "reduce_scatter"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -53,11 +54,6 @@ def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str
         piece = flat.numel() // group_size
         splits = [piece] * group_size
         pieces = _c10d.wait_tensor(_c10d.all_to_all_single(flat, splits, splits, group_name))
-        return sum_pieces(pieces, group_size, op)
+        return sum_received(eager, pieces, group_size, average=op == "avg")
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, op, group_size, group_name))
 
-
-def sum_pieces(pieces: torch.Tensor, group_size: int, op: str) -> torch.Tensor:
-    """The received ``[group_size * piece]`` pieces reduced, in rank order, to one piece."""
-    reduced = pieces.view(group_size, -1).sum(0)
-    return reduced / group_size if op == "avg" else reduced
