@@ -4,6 +4,9 @@
         [--markdown out.md] [--device cpu|cuda] [--systems NAME ...] [--batch-size 4] \\
         [--seq-len 128] [--warmup 5] [--round-steps 1] [--sequential] [--fake-world N]
 
+    python -m bench.step --systems graphshard-compiled \\
+        'graphshard-compiled[reshard_after_forward=False]' --json out.json
+
 The command spawns the ranks itself (``torch.multiprocessing``, a ``FileStore``; gloo on the
 CPU, NCCL with ``--device cuda``) and runs every system of :data:`bench.systems.SYSTEMS` from
 the same initial model and on the same batches (batch ``(step, rank)`` is the same tensor for
@@ -79,6 +82,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -96,7 +100,14 @@ import torch.multiprocessing as mp
 from bench.comm import count_collectives, count_logged, graphshard_summary, zero3_bytes
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
-from bench.systems import SYSTEMS, BenchContext, PeerUnavailable, System, build_system
+from bench.systems import (
+    SYSTEMS,
+    BenchContext,
+    PeerUnavailable,
+    System,
+    build_system,
+    is_system,
+)
 from bench.timing import sync, train_step, wait_time
 from graphshard.models.data import SyntheticTokens
 from graphshard.models.llama import CONFIGS, llama_config
@@ -127,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
-        "--systems", nargs="+", default=list(SYSTEMS), help=f"subset of: {' '.join(SYSTEMS)}"
+        "--systems", nargs="+", default=list(SYSTEMS),
+        help=f"subset of: {' '.join(SYSTEMS)}; and variants graphshard-compiled[option=value,"
+        "...] (backend options, reshard_after_forward), quoted for the shell",
     )
     parser.add_argument(
         "--round-steps", type=int, default=1, help="steps of one system per interleaved round"
@@ -159,10 +172,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.processes = 1 if args.fake_world else args.world_size
     # A fake world's one process gets a real rank's share of the CPUs, not all of them.
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.world_size))
-    args.systems = list(dict.fromkeys(s for item in args.systems for s in item.split(",") if s))
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    # "a,b" lists two systems; the commas inside a variant's brackets are its own
+    listed = (s for item in args.systems for s in re.split(r",(?![^\[]*\])", item) if s)
+    args.systems = list(dict.fromkeys(listed))
+    try:
+        unknown = sorted(name for name in args.systems if not is_system(name))
+    except ValueError as exc:
+        parser.error(str(exc))
     if unknown:
-        parser.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        parser.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)} or "
+                     "graphshard-compiled[option=value,...]")
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
     if not 1 <= args.warmup < args.steps:

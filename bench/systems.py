@@ -29,6 +29,10 @@ times, memory and losses can be read side by side:
 - ``ddp-compiled``: ``DistributedDataParallel`` + ``torch.compile`` (no sharding)
 - ``single-compiled``: rank 0 alone trains the unsharded model compiled with Inductor on its
   local batch (the compute floor); the other ranks wait.
+- ``graphshard-compiled[option=value,...]``: a variant of graphshard-compiled with other
+  options (:func:`variant_options`), e.g. ``graphshard-compiled[bucketing=size,
+  bucket_bytes=8000000]`` or ``graphshard-compiled[reshard_after_forward=False]``: interleaved
+  with the default in one run, it measures what an option changes on this machine.
 
 Every distributed system gets a process group of its own (``dist.new_group`` over all ranks),
 so a failure that leaves one system's collectives mismatched leaves the others usable, and
@@ -37,6 +41,7 @@ the systems can stay alive side by side while the benchmark interleaves their st
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import re
@@ -63,6 +68,7 @@ __all__ = [
     "build_model",
     "build_system",
     "private_llama_class",
+    "variant_options",
 ]
 
 SYSTEMS: tuple[str, ...] = (
@@ -80,6 +86,53 @@ SYSTEMS: tuple[str, ...] = (
     "ddp-compiled",
     "single-compiled",
 )
+
+# graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
+_VARIANT = re.compile(r"graphshard-compiled\[(?P<options>.*)\]")
+# The options a variant passes to ``graphshard.shard``; the rest go to ``graphshard.backend``.
+SHARD_OPTIONS = frozenset({"reshard_after_forward"})
+
+
+def variant_options(name: str) -> dict[str, Any] | None:
+    """The options of a graphshard-compiled variant, None where ``name`` is not one.
+
+    ``graphshard-compiled[bucketing=size,bucket_bytes=8_000_000]`` gives
+    ``{"bucketing": "size", "bucket_bytes": 8000000}``: each value is a Python literal
+    (``8_000_000``, ``False``, ``None``, ``'size'``) or else a bare word, taken as a string.
+    :data:`SHARD_OPTIONS` go to ``graphshard.shard``, the others to ``graphshard.backend``,
+    which checks them here. Raises ``ValueError`` saying what to change for a malformed
+    item, a repeated or unknown option, or a value the backend refuses.
+    """
+    match = _VARIANT.fullmatch(name)
+    if match is None:
+        return None
+    options: dict[str, Any] = {}
+    for item in match["options"].split(","):
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key.isidentifier() or not text:
+            raise ValueError(f"{name}: {item.strip()!r} is not option=value; write e.g. "
+                             "graphshard-compiled[bucketing=size,bucket_bytes=8000000]")
+        if key in options:
+            raise ValueError(f"{name}: option {key!r} is given twice")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
+    for key in SHARD_OPTIONS & options.keys():
+        if not isinstance(options[key], bool):
+            raise ValueError(f"{name}: {key} must be True or False, got {options[key]!r}")
+    try:
+        graphshard.backend(**{k: v for k, v in options.items() if k not in SHARD_OPTIONS})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+    return options
+
+
+def is_system(name: str) -> bool:
+    """Whether ``name`` is one of :data:`SYSTEMS` or a graphshard-compiled variant (which
+    raises ``ValueError`` here when its options are wrong)."""
+    return name in SYSTEMS or variant_options(name) is not None
+
 
 # SimpleFSDP system -> the graph_trainer JIT pass it is compiled with (None: no pass).
 SIMPLEFSDP_MODES: dict[str, str | None] = {
@@ -150,7 +203,8 @@ def private_llama_class(owner: str) -> type[Llama]:
     """
     if owner not in _PRIVATE_CLASSES:
         source = sys.modules[Llama.__module__]
-        name = "_bench_model_" + re.sub(r"\W", "_", owner)
+        # numbered: variants' names may differ only in characters \W maps to "_"
+        name = f"_bench_model_{len(_PRIVATE_CLASSES)}_" + re.sub(r"\W", "_", owner)
         spec = importlib.util.spec_from_file_location(name, source.__file__)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # a real module: SimpleFSDP registers classes in it
@@ -201,10 +255,12 @@ def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
 def _graphshard(
     ctx: BenchContext, group: dist.ProcessGroup, name: str, **options: Any
 ) -> System:
-    """graphshard's system ``name``: eager, or compiled with backend ``options``."""
+    """graphshard's system ``name``: eager, or compiled with backend ``options`` (and the
+    ``shard`` options among them, :data:`SHARD_OPTIONS`)."""
     from graphshard.api.step_prefetch import wait_issued
 
-    model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx))
+    shard_options = {k: options.pop(k) for k in SHARD_OPTIONS & options.keys()}
+    model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx), **shard_options)
     if name == "graphshard-eager":
         return System(name, model, model, _adamw(model, ctx), group=group)
     backend = graphshard.backend(**options)
@@ -376,10 +432,14 @@ def build_system(name: str, ctx: BenchContext) -> System:
     creates its own process group over all ranks (a collective call). Raises
     :class:`PeerUnavailable` for a peer whose package is not installed.
     """
-    if name not in _BUILDERS:
-        raise KeyError(f"Unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    options = variant_options(name)
+    if name not in _BUILDERS and options is None:
+        raise KeyError(f"Unknown system {name!r}; choose from {', '.join(SYSTEMS)} or "
+                       "graphshard-compiled[option=value,...]")
     if name == "single-compiled":
         return _BUILDERS[name](ctx, None)
     if not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised process group")
+    if options is not None:
+        return _graphshard(ctx, dist.new_group(), name, **options)
     return _BUILDERS[name](ctx, dist.new_group())

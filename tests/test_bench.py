@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -18,8 +19,16 @@ import torch.distributed._functional_collectives as funcol
 
 from bench.comm import count_collectives
 from bench.report import add_ratios
-from bench.step import FIELDS, _attempt, describe_exception, main, summarize, to_markdown
-from bench.systems import BenchContext, PeerUnavailable, block_bucket_plans
+from bench.step import (
+    FIELDS,
+    _attempt,
+    describe_exception,
+    main,
+    parse_args,
+    summarize,
+    to_markdown,
+)
+from bench.systems import BenchContext, PeerUnavailable, block_bucket_plans, variant_options
 from bench.timing import round_ratios
 from graphshard.models.llama import Llama, llama_config
 
@@ -38,7 +47,9 @@ SYSTEMS = [
 # The compiled graphs' functional collectives are graphshard-compiled's here (SimpleFSDP's are
 # checked in this process below); the same world size as the first run, so that Inductor's
 # cache has its kernels.
-FAKE_SYSTEMS = ["graphshard-compiled", "graphshard-eager", "fsdp2-eager"]
+# The variant keeps the forward's gathers for backward and gathers on use.
+NO_RESHARD = "graphshard-compiled[reshard_after_forward=False,prefetch_depth=0]"
+FAKE_SYSTEMS = ["graphshard-compiled", "graphshard-eager", "fsdp2-eager", NO_RESHARD]
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2"]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # In the test extra (Python >= 3.11); elsewhere its rows must say why they did not run.
@@ -202,6 +213,58 @@ def test_fake_world_trains_on_real_values(fake_world):
         first.append(losses[0])
     # Every sharded system gathers the same tiled weights: the same first loss.
     assert max(first) - min(first) < 1e-3 * abs(first[0]), first
+
+
+def test_a_variant_runs_with_its_options(fake_world):
+    """Without backward re-gathers the variant gathers once per bucket, not twice: fewer
+    collectives and bytes than the default (compiled graphs), the same training."""
+    systems = _by_name(fake_world[0])
+    default, variant = systems["graphshard-compiled"], systems[NO_RESHARD]
+    gathers = {name: s["graphshard_summary"]["all_gathers"] for name, s in systems.items()
+               if name in ("graphshard-compiled", NO_RESHARD)}
+    assert gathers[NO_RESHARD] < gathers["graphshard-compiled"], gathers
+    assert variant["bytes_per_step"] < default["bytes_per_step"]
+    assert variant["copy_bytes_per_step"] < default["copy_bytes_per_step"]
+    assert variant["wait_s"] is not None
+    assert variant["loss_per_step"] == pytest.approx(default["loss_per_step"], rel=1e-4)
+
+
+def test_variant_options_parse_literals_and_say_what_is_wrong():
+    assert variant_options("graphshard-compiled") is None
+    assert variant_options("fsdp2-eager") is None
+    options = variant_options(
+        "graphshard-compiled[bucketing=size, bucket_bytes=8_000_000,step_prefetch=True,"
+        "max_unsharded_bytes=None,reduce_scatter_via='all_to_all',reshard_after_forward=False]"
+    )
+    assert options == {
+        "bucketing": "size", "bucket_bytes": 8_000_000, "step_prefetch": True,
+        "max_unsharded_bytes": None, "reduce_scatter_via": "all_to_all",
+        "reshard_after_forward": False,
+    }  # fmt: skip
+    bad = {
+        "graphshard-compiled[]": "not option=value",
+        "graphshard-compiled[bucketing]": "not option=value",
+        "graphshard-compiled[a=1,a=2]": "given twice",
+        "graphshard-compiled[buckting=size]": "Unknown graphshard backend option",
+        "graphshard-compiled[bucketing=sz]": "bucketing must be one of",
+        "graphshard-compiled[reshard_after_forward=0]": "must be True or False",
+    }
+    for name, message in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            variant_options(name)
+
+
+def test_systems_list_keeps_a_variants_commas():
+    args = parse_args([
+        "--json", "x.json", "--systems", "ddp-compiled,graphshard-compiled[bucketing=size,"
+        "bucket_bytes=1000]", "graphshard-compiled",
+    ])  # fmt: skip
+    assert args.systems == [
+        "ddp-compiled", "graphshard-compiled[bucketing=size,bucket_bytes=1000]",
+        "graphshard-compiled",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_args(["--json", "x.json", "--systems", "graphshard-compiled[prefetch_depth]"])
 
 
 @pytest.fixture()
