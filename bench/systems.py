@@ -67,6 +67,7 @@ __all__ = [
     "block_bucket_plans",
     "build_model",
     "build_system",
+    "is_system",
     "private_llama_class",
     "variant_options",
 ]
