@@ -439,3 +439,23 @@ def test_block_bucket_plans_follow_graph_trainer():
     model = Llama(llama_config("tiny"))
     plans = ["tok_embeddings", ["norm", "output"], "layers.0", "layers.1"]
     assert block_bucket_plans(model) == plans
+
+
+def test_optimizer_bench_times_every_adamw_on_shards_and_plain(capsys):
+    from bench import optimizer
+
+    if dist.is_initialized():  # pragma: no cover - another test left a group behind
+        dist.destroy_process_group()
+    result = optimizer.main(["--world-size", "2", "--model", "tiny", "--steps", "2",
+                             "--rounds", "2"])
+    assert not dist.is_initialized()
+    for where in ("sharded", "plain"):
+        assert set(result[where]) == set(optimizer.IMPLEMENTATIONS)
+        assert all(ms > 0 for ms in result[where].values()), result
+    # torch's fused CPU kernel on graphshard's DTensor shards: the loop's result, rounded
+    # differently
+    assert 0 <= result["fused_vs_loop_max_abs_diff"] < 1e-6, result
+    table = capsys.readouterr().out
+    assert "| sharded |" in table and "| plain |" in table and "fused ms" in table
+    with pytest.raises(SystemExit):
+        optimizer.parse_args(["--world-size", "1"])
