@@ -159,9 +159,11 @@ def header(report: dict) -> str:
         if None not in load
         else ""
     )
+    optimizer = cfg.get("optimizer", "default")
+    adamw = "AdamW" if optimizer == "default" else f"AdamW ({optimizer})"
     return (
-        f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, batch "
-        f"{cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
+        f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, {adamw}, "
+        f"batch {cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
         f"({cfg['warmup']} warm-up), {schedule}, {machine['device_name']} "
         f"({machine['cpu_count']} CPUs{busy}), torch {machine['torch']}"
     )

@@ -101,6 +101,7 @@ from bench.comm import count_collectives, count_logged, graphshard_summary, zero
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
 from bench.systems import (
+    ADAMW_IMPLEMENTATIONS,
     SYSTEMS,
     BenchContext,
     PeerUnavailable,
@@ -157,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument(
+        "--optimizer", default="default", choices=list(ADAMW_IMPLEMENTATIONS),
+        help="AdamW's implementation, the same for every system: torch's default (its "
+        "per-parameter loop on the CPU, foreach on a GPU), loop, foreach or fused",
+    )
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch threads per process [CPU count / world size, also in a fake world]",
@@ -476,7 +482,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
     _configure_dynamo()
     store = dist.FileStore(store_path, args.processes)
     device = _init_process_group(rank, args, dist.PrefixStore("pg", store))
-    ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size)
+    ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size,
+                       args.optimizer)
     runner = _Rank(rank, args, ctx, store)
     groups = [[name] for name in args.systems] if args.sequential else [args.systems]
     records = []

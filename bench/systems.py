@@ -59,6 +59,7 @@ from graphshard import GraphshardBackend
 from graphshard.models.llama import Llama, LlamaConfig
 
 __all__ = [
+    "ADAMW_IMPLEMENTATIONS",
     "SYSTEMS",
     "SIMPLEFSDP_MODES",
     "BenchContext",
@@ -162,6 +163,9 @@ class BenchContext:
     lr: float
     device: torch.device
     world_size: int
+    # AdamW's implementation for every system: "default" (torch's choice: its per-parameter
+    # loop on the CPU, foreach on a GPU), or "loop", "foreach", "fused"
+    optimizer: str = "default"
 
 
 @dataclass
@@ -243,8 +247,17 @@ def _compile(model: nn.Module, options: dict[str, Any] | None = None, **kwargs: 
     return torch.compile(model, backend=_OwnInductor(None, options, None), **kwargs)
 
 
+# --optimizer -> AdamW keyword arguments (the same for every system)
+ADAMW_IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+    "default": {},
+    "loop": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
 def _adamw(module: nn.Module, ctx: BenchContext) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=ctx.lr)
+    return torch.optim.AdamW(module.parameters(), lr=ctx.lr, **ADAMW_IMPLEMENTATIONS[ctx.optimizer])
 
 
 def _mesh(group: dist.ProcessGroup, ctx: BenchContext):

@@ -74,7 +74,8 @@ def two_ranks(tmp_path_factory) -> tuple[dict, str]:
 def fake_world(tmp_path_factory) -> tuple[dict, str]:
     """One run in a fake world of 2 ranks (one process), a learning rate that moves fast."""
     tmp = tmp_path_factory.mktemp("fake_world")
-    args = ["--fake-world", "2", "--steps", "3", "--warmup", "1", "--lr", "1e-2"]
+    args = ["--fake-world", "2", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
+            "--optimizer", "fused"]
     return _run(tmp, *args, "--systems", *FAKE_SYSTEMS)
 
 
@@ -201,6 +202,7 @@ def test_fake_world_trains_on_real_values(fake_world):
     """A gather that left zeros would pin the loss at ln(vocab) (all logits 0)."""
     report, table = fake_world
     assert report["config"]["world_size"] == 2 and "fake world of 2" in table
+    assert "AdamW (fused)" in table
     systems = _by_name(report)
     assert list(systems) == FAKE_SYSTEMS
     uniform = math.log(llama_config("tiny").vocab_size)
@@ -459,3 +461,17 @@ def test_optimizer_bench_times_every_adamw_on_shards_and_plain(capsys):
     assert "| sharded |" in table and "| plain |" in table and "fused ms" in table
     with pytest.raises(SystemExit):
         optimizer.parse_args(["--world-size", "1"])
+
+
+def test_optimizer_option_reaches_every_systems_adamw():
+    from bench.systems import _adamw
+
+    model = torch.nn.Linear(2, 2)
+    for name, foreach, fused in (("default", None, None), ("loop", False, None),
+                                 ("foreach", True, None), ("fused", None, True)):
+        ctx = BenchContext(llama_config("tiny"), 0, 1e-3, torch.device("cpu"), 2, name)
+        defaults = _adamw(model, ctx).defaults
+        assert (defaults["foreach"], defaults["fused"]) == (foreach, fused), name
+    assert parse_args(["--json", "x.json"]).optimizer == "default"
+    with pytest.raises(SystemExit):
+        parse_args(["--json", "x.json", "--optimizer", "adam"])
