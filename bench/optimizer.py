@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 import graphshard
-from bench.systems import ADAMW_IMPLEMENTATIONS
-from graphshard.models.llama import CONFIGS, Llama, llama_config
+from bench.systems import ADAMW_IMPLEMENTATIONS, BenchContext, build_model
+from graphshard.models.llama import CONFIGS, llama_config
 
 __all__ = ["IMPLEMENTATIONS", "main", "parse_args"]
 
@@ -76,16 +76,11 @@ def _with_grads(model: nn.Module) -> nn.Module:
     return model
 
 
-def _sharded(cfg, world_size: int) -> nn.Module:
+def _sharded(ctx: BenchContext) -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh
 
-    torch.manual_seed(0)
-    return _with_grads(graphshard.shard(Llama(cfg), DeviceMesh("cpu", list(range(world_size)))))
-
-
-def _plain(cfg) -> nn.Module:
-    torch.manual_seed(0)
-    return _with_grads(Llama(cfg))
+    mesh = DeviceMesh("cpu", list(range(ctx.world_size)))
+    return _with_grads(graphshard.shard(build_model(ctx), mesh))
 
 
 def _time_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
@@ -114,10 +109,10 @@ def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, d
     }
 
 
-def _fused_vs_loop(cfg, world_size: int) -> float:
+def _fused_vs_loop(ctx: BenchContext) -> float:
     after = {}
     for name in ("loop", "fused"):
-        model = _sharded(cfg, world_size)
+        model = _sharded(ctx)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **IMPLEMENTATIONS[name])
         for _ in range(5):
             optimizer.step()
@@ -154,14 +149,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise RuntimeError("bench.optimizer starts its own fake world: run it in a process "
                            "without a default process group")
     torch.set_num_threads(args.threads)
-    cfg = llama_config(args.model)
+    ctx = BenchContext(llama_config(args.model), 0, 1e-3, torch.device("cpu"), args.world_size)
     init_fake_world(args.world_size)
     try:
-        models = {"sharded": _sharded(cfg, args.world_size), "plain": _plain(cfg)}
+        models = {"sharded": _sharded(ctx), "plain": _with_grads(build_model(ctx))}
         result: dict[str, Any] = {
             "model": args.model, "world_size": args.world_size, "threads": args.threads,
             **_time(models, args),
-            "fused_vs_loop_max_abs_diff": _fused_vs_loop(cfg, args.world_size),
+            "fused_vs_loop_max_abs_diff": _fused_vs_loop(ctx),
         }  # fmt: skip
     finally:
         shutdown_fake_world()
