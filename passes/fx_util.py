@@ -12,7 +12,9 @@ from torch._guards import detect_fake_mode
 
 from graphshard.passes.errors import GraphLoweringError
 
-__all__ = ["LOWERED", "NodeMaker", "graph_order", "replace_and_erase"]
+__all__ = [
+    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "graph_order", "replace_and_erase",
+]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -24,6 +26,11 @@ _PROVENANCE = ("stack_trace", "nn_module_stack")
 # a lowering pass made, so graphshard's own data movement can be told from the model's
 # (``graphshard.passes.traffic``).
 LOWERED = "graphshard_lowered"
+# The op of every copy between devices a pass inserts (CPU offload): ``prims.device_put``.
+# Inductor lowers it (to its device-copy IR node); it has no lowering of its own for
+# ``aten._to_copy``, which AOTAutograd decomposes away before any pass runs, so a
+# ``_to_copy`` made by a pass fails in Inductor ("both a fallback and a decomp").
+DEVICE_COPY = prims.device_put.default
 
 
 class NodeMaker:
@@ -84,6 +91,15 @@ class NodeMaker:
                     f"({type(e).__name__}: {e}); this is a graphshard bug, please report it"
                 ) from e
         return node
+
+
+def copy_to_device(make: NodeMaker, node: fx.Node, device: str, *, non_blocking: bool,
+                   direction: str, bucket: int) -> fx.Node:
+    """``node`` copied to ``device`` by an op Inductor lowers, tagged
+    ``meta["graphshard_copy"] = {"direction": direction, "bucket": bucket}``."""
+    copy = make(DEVICE_COPY, node, torch.device(device), non_blocking)
+    copy.meta["graphshard_copy"] = {"direction": direction, "bucket": bucket}
+    return copy
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:

@@ -8,7 +8,7 @@ The gather is placed just before the bucket's first marker (its first use); the 
 passes move it earlier.
 
 With CPU offload the markers carry a ``compute_device``: each host shard is first copied
-there (``aten._to_copy``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
+there (``prims.device_put``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
 gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
 
 At world 1 there is no one to gather from: each marker becomes its shard itself (after the
@@ -21,7 +21,15 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphLoweringError
-from graphshard.passes.fx_util import NodeMaker, aten, c10d, graph_order, prims, replace_and_erase
+from graphshard.passes.fx_util import (
+    NodeMaker,
+    aten,
+    c10d,
+    copy_to_device,
+    graph_order,
+    prims,
+    replace_and_erase,
+)
 from graphshard.passes.layout import Dim0Layout, full_from_gathered, gather_piece, rows_held
 from graphshard.passes.markers import is_unshard, marker_args
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
@@ -114,10 +122,8 @@ def _to_compute(make: NodeMaker, shard: fx.Node, args, bucket: int) -> fx.Node:
     ``compute_device``), non-blocking; the shard itself when it is gathered where it lives."""
     if not args.compute_device:
         return shard
-    copy = make(aten._to_copy.default, shard, device=torch.device(args.compute_device),
-                non_blocking=True)
-    copy.meta["graphshard_copy"] = {"direction": "h2d", "bucket": bucket}
-    return copy
+    return copy_to_device(make, shard, args.compute_device, non_blocking=True, direction="h2d",
+                          bucket=bucket)
 
 
 def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from graphshard.passes.fx_util import LOWERED
+from graphshard.passes.fx_util import DEVICE_COPY, LOWERED
 from graphshard.passes.markers import is_collective_start
 
 __all__ = ["CATEGORIES", "Traffic", "traffic", "step_traffic", "format_traffic"]
@@ -147,7 +147,7 @@ def _is_wire(node: fx.Node) -> bool:
 
 
 def _is_device_copy(node: fx.Node) -> bool:
-    return node.target is aten._to_copy.default and "device" in node.kwargs
+    return node.target is DEVICE_COPY
 
 
 def _val(node: fx.Node) -> torch.Tensor:

@@ -68,6 +68,7 @@ def summarize(gm: fx.GraphModule) -> list[dict[str, Any]]:
             "name": node.name,
             "target": _target(node),
             "inputs": [a.name for a in node.all_input_nodes],
+            "args": [a.name if isinstance(a, fx.Node) else str(a) for a in node.args],
             "kwargs": {k: str(v) for k, v in node.kwargs.items()},
             "copy": node.meta.get("graphshard_copy"),
             "kind": tag.get("kind"),
@@ -211,6 +212,57 @@ def kernels() -> dict[str, Any]:
     }
 
 
+def llama_recipe(recipe: str) -> dict[str, Any]:
+    """FSDP2's two offload recipes on a tiny Llama (rotary tables as buffers), with no manual
+    moves: ``"host"`` builds the model on the CPU, then shards it; ``"meta"`` builds it on
+    the meta device, shards it, ``to_empty(device="cpu")`` and initialises it. Then one
+    eager and one compiled forward and backward on the accelerator."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphshard
+    from graphshard.models.llama import Llama, llama_config
+    from graphshard.tools.offline import fake_process_group
+
+    register_fake_accelerator()
+
+    def devices(tensors) -> list[str]:
+        return sorted({t.device.type for t in tensors})
+
+    with fake_process_group(2):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cfg = llama_config("tiny", n_layers=2)
+        mesh = init_device_mesh(ACCEL, (2,))
+        if recipe == "meta":
+            with torch.device("meta"):
+                model = Llama(cfg)
+        with mode:
+            if recipe == "host":
+                model = Llama(cfg)
+            graphshard.shard(model, mesh, offload=graphshard.CPUOffload())
+            result: dict[str, Any] = {"buffers_after_shard": devices(model.buffers())}
+            if recipe == "meta":
+                model.to_empty(device="cpu")
+                model.init_weights(seed=0)
+            result["buffers"] = devices(model.buffers())
+            result["shards"] = devices(p.to_local() for p in model.parameters())
+            tokens = torch.randint(0, cfg.vocab_size, (2, 16), device=ACCEL)
+            model(tokens).loss.backward()
+            result["eager_grads"] = devices(p.grad.to_local() for p in model.parameters())
+            model.zero_grad(set_to_none=True)
+        backend = graphshard.backend(inductor=False)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        with mode:
+            loss = compiled(tokens).loss
+            loss.backward()
+        result["loss"] = loss.device.type
+        result["compiled_grads"] = devices(p.grad.to_local() for p in model.parameters())
+        result["h2d_copies"] = sum(
+            1 for stages in backend.graphs for gm in stages.values() for n in gm.graph.nodes
+            if (n.meta.get("graphshard_copy") or {}).get("direction") == "h2d")
+    return result
+
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {"offload": False},
     "offload": {"offload": True},
@@ -227,6 +279,8 @@ def trace_all() -> dict[str, Any]:
 
     jobs = {name: (trace, options) for name, options in CONFIGS.items()}
     jobs["kernels"] = (kernels, {})
+    for recipe in ("host", "meta"):
+        jobs[f"llama_{recipe}"] = (llama_recipe, {"recipe": recipe})
     results: dict[str, Any] = {}
     for name, (fn, options) in jobs.items():
         try:

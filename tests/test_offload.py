@@ -10,6 +10,7 @@ need no autograd. The CPU-only error runs on a real one-rank gloo group.
 from __future__ import annotations
 
 import multiprocessing
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -31,6 +32,7 @@ ACCEL = offload_graphs.ACCEL
 COMPUTE = {"aten.mm.default", "aten.addmm.default"}
 GATHER = "_c10d_functional.all_gather_into_tensor.default"
 WAIT = "_c10d_functional.wait_tensor.default"
+DEVICE_PUT = "prims.device_put.default"
 
 
 class Traced(dict):
@@ -86,9 +88,16 @@ def copies(records: list[dict[str, Any]], direction: str) -> list[dict[str, Any]
 
 
 def device_copies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every ``_to_copy`` that names a device, tagged or not."""
-    return [r for r in records
-            if r["target"] == "aten._to_copy.default" and "device" in r["kwargs"]]
+    """Every copy between devices, tagged or not: ``prims.device_put`` (the op Inductor
+    lowers), or an ``aten._to_copy`` naming a device (which Inductor would refuse)."""
+    return [r for r in records if r["target"] == DEVICE_PUT
+            or (r["target"] == "aten._to_copy.default" and "device" in r["kwargs"])]
+
+
+def non_blocking(copy: dict[str, Any]) -> bool:
+    """Whether a ``prims.device_put(x, device, non_blocking)`` record copies asynchronously."""
+    assert copy["target"] == DEVICE_PUT, copy
+    return copy["args"][2] == "True"
 
 
 def collectives(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -134,6 +143,20 @@ def test_without_offload_everything_stays_on_the_accelerator(traced):
         assert not any(r["copy"] for r in records), stage
 
 
+@pytest.mark.parametrize("recipe", ["host", "meta"])
+def test_fsdp2_offload_recipes_put_buffers_on_the_device_with_no_manual_moves(traced, recipe):
+    """Built on the CPU then sharded, or built on meta, sharded, ``to_empty(device="cpu")``:
+    the rotary tables (buffers) go to the mesh's device, the shards and gradients stay on
+    the host, and the compiled step traces (Dynamo refuses a mix of devices in one op)."""
+    result = traced[f"llama_{recipe}"]
+    assert result["buffers"] == [ACCEL]
+    if recipe == "host":
+        assert result["buffers_after_shard"] == [ACCEL]
+    assert result["shards"] == result["eager_grads"] == result["compiled_grads"] == ["cpu"]
+    assert result["loss"] == ACCEL
+    assert result["h2d_copies"] > 0
+
+
 # --------------------------------------------------------------------------- host to device
 
 
@@ -151,7 +174,7 @@ def test_each_gather_sends_its_own_shards_copied_to_the_device_before_it(traced,
         assert {c["copy"]["bucket"] for c in mine} == {gather["bucket"]}
         for c in mine:
             assert order[c["name"]] < order[gather["name"]]
-            assert c["device"] == ACCEL and c["kwargs"]["non_blocking"] == "True"
+            assert c["device"] == ACCEL and non_blocking(c)
             (source,) = c["inputs"]
             assert nodes[source]["target"] == "placeholder"  # the host shard itself
             assert nodes[source]["device"] == "cpu"
@@ -250,7 +273,7 @@ def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(trac
             assert nodes[source]["inputs"] == [last["name"]] and copy["dtype"] == "float32"
         else:
             assert source == last["name"]
-        assert copy["device"] == "cpu" and "non_blocking" not in copy["kwargs"]
+        assert copy["device"] == "cpu" and not non_blocking(copy)
         assert copy["nbytes"] == nodes[source]["nbytes"]  # the bucket's reduced pieces
         assert order[last["name"]] < order[copy["name"]]
         # the shards' gradients are views of the host copy
@@ -319,15 +342,17 @@ def test_lowering_copies_to_and_from_cuda_with_valid_values():
         bw = lower_reduce_grad(fx.GraphModule(nn.Module(), g), Plan())
 
     (h2d,) = [n for n in fw.graph.nodes if n.meta.get("graphshard_copy")]
-    assert h2d.args == (shard,) and h2d.kwargs == {"device": torch.device("cuda"),
-                                                   "non_blocking": True}
+    assert h2d.target is torch.ops.prims.device_put.default  # an op Inductor lowers
+    assert h2d.args == (shard, torch.device("cuda"), True) and not h2d.kwargs
     assert h2d.meta["val"].device.type == "cuda" and h2d.meta["val"].shape == (3, 8)
     (gather,) = [n for n in fw.graph.nodes if n.meta.get("graphshard")]
     assert gather.meta["val"].device.type == "cuda"
     assert gather.meta["val"].numel() == 2 * layout.piece_numel
     (d2h,) = [n for n in bw.graph.nodes if n.meta.get("graphshard_copy")]
     assert d2h.meta["graphshard_copy"] == {"direction": "d2h", "bucket": 0}
+    assert d2h.target is torch.ops.prims.device_put.default
     assert d2h.args[0].target is torch.ops._c10d_functional.wait_tensor.default
+    assert d2h.args[1:] == (torch.device("cpu"), False)
     assert d2h.meta["val"].device.type == "cpu"
     (out,) = bw.graph.find_nodes(op="output")[0].args[0]
     assert out.meta["val"].device.type == "cpu" and tuple(out.meta["val"].shape) == (3, 8)
@@ -381,3 +406,68 @@ def test_offload_takes_a_cpu_offload_policy():
             graphshard.shard(nn.Linear(4, 4), offload=True)
     with pytest.raises(TypeError, match="pin_memory must be True or False"):
         graphshard.CPUOffload(pin_memory="yes")
+
+
+# --------------------------------------------------------------------------- through Inductor
+
+
+def _host_as_device(monkeypatch) -> None:
+    """Offload with the host standing in for the accelerator: the shards rest on the CPU and
+    are "copied" to the CPU before each gather; the reduced gradients "back" to it. The
+    graphs then hold every offload copy, and Inductor compiles them for this machine."""
+    from graphshard.api import offload as offload_module
+    from graphshard.api import sharding
+
+    def resolve(mesh, offload):
+        if offload is None:
+            return "", None
+        return "cpu", offload_module.host_mesh(mesh)
+
+    monkeypatch.setattr(sharding, "resolve_offload", resolve)
+
+
+def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
+    gloo_rank, monkeypatch, param_dtype
+):
+    """Inductor lowers every copy the passes insert (it has no lowering of its own for
+    ``aten._to_copy``, which it expects AOTAutograd to have decomposed), and the offloaded
+    step computes what the plain one does."""
+    from graphshard.api.sharding import shard_state
+
+    torch._dynamo.reset()
+    mp = None if param_dtype is None else graphshard.MixedPrecision(param_dtype=param_dtype)
+    torch.manual_seed(0)
+    plain = offload_graphs.ThreeBlock()
+    offloaded = offload_graphs.ThreeBlock()
+    offloaded.load_state_dict(plain.state_dict())
+    graphshard.shard(plain, mixed_precision=mp)
+    plain_losses = _train_compiled(plain, graphshard.backend())
+    _host_as_device(monkeypatch)
+    graphshard.shard(offloaded, mixed_precision=mp,
+                     offload=graphshard.CPUOffload(pin_memory=False))
+    assert shard_state(offloaded).compute_device == "cpu"
+    backend = graphshard.backend()
+    offload_losses = _train_compiled(offloaded, backend)
+    stages = backend.graphs[-1]
+    directions = Counter(n.meta["graphshard_copy"]["direction"] for stage in ("fw", "bw")
+                         for n in stages[stage].graph.nodes if n.meta.get("graphshard_copy"))
+    assert directions["h2d"] >= 4 and directions["d2h"] >= 4  # Inductor compiled the copies
+    assert offload_losses == plain_losses
+    for (name, a), b in zip(plain.state_dict().items(), offloaded.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name

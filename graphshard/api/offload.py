@@ -15,6 +15,12 @@ copied back to the device after ``reduce_grad`` brought it to the host, and auto
 would refuse the device gradient for the host parameter. (FSDP2 builds its parameters on
 the accelerator mesh, but never differentiates through ``to_local``.)
 
+Buffers (BatchNorm statistics, rotary tables) are not sharded and are read by the compute,
+so they live on the mesh's device, as with FSDP2: ``shard()`` moves them there, whatever
+device the model was built on, and after a ``to_empty(device="cpu")`` or ``.to("cpu")`` of
+the offloaded model (the meta-device recipe) they are moved back (:func:`buffers_to_device`,
+:func:`keep_buffers_on_device`).
+
 Eagerly the marker kernels (``graphshard.api.eager_kernels``) make the copies; compiled, the
 lowering passes insert them as graph nodes and ``prefetch`` issues each bucket's host-to-device
 copies together with its all-gather.
@@ -24,12 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphshard.errors import GraphshardTypeError, GraphshardValueError
 
-__all__ = ["CPUOffload", "resolve_offload", "host_mesh"]
+__all__ = [
+    "CPUOffload", "resolve_offload", "host_mesh", "buffers_to_device", "keep_buffers_on_device",
+]
 
 
 @dataclass(frozen=True)
@@ -94,3 +103,28 @@ def host_mesh(mesh: DeviceMesh) -> DeviceMesh:
         names = names or tuple(f"dim{d}" for d in range(mesh.ndim))
         return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)
 
+
+
+def buffers_to_device(module: nn.Module, device_type: str) -> None:
+    """Move every buffer of ``module`` (not yet on the meta device) to ``device_type``, in
+    place in its owner's ``_buffers`` (so persistence and names are kept)."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is None or buffer.is_meta or buffer.device.type == device_type:
+                continue
+            sub._buffers[name] = buffer.to(device_type)
+
+
+def keep_buffers_on_device(module: nn.Module, device_type: str) -> None:
+    """After any ``_apply`` of the offloaded root (``to_empty(device="cpu")``, ``.to("cpu")``,
+    ``.float()``), move the buffers back to ``device_type``: the shards stay where the call
+    put them (the host), the compute that reads the buffers runs on the device."""
+    cls = type(module)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super(offloaded, self)._apply(fn, recurse)
+        buffers_to_device(self, device_type)
+        return out
+
+    offloaded = type(cls.__name__, (cls,), {"_apply": _apply, "__module__": cls.__module__})
+    module.__class__ = offloaded

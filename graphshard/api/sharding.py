@@ -33,7 +33,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
-from graphshard.api.offload import CPUOffload, resolve_offload
+from graphshard.api.offload import (
+    CPUOffload,
+    buffers_to_device,
+    keep_buffers_on_device,
+    resolve_offload,
+)
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
@@ -335,7 +340,8 @@ def shard(
             optimizer state in host memory, like FSDP2's ``CPUOffloadPolicy``: each
             bucket's shards are copied to the mesh's device before its all-gather, and
             reduced gradients are copied back, so the optimizer steps on the host. Needs an
-            accelerator mesh (ValueError on a CPU one: nothing to offload).
+            accelerator mesh (ValueError on a CPU one: nothing to offload). The buffers go
+            to the mesh's device (also after a later ``to_empty(device="cpu")``).
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
@@ -429,6 +435,11 @@ def shard(
         sub.__class__ = _sharded_class(type(sub), specs)
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
+    # Buffers are read by the compute: on the mesh's device, as FSDP2 puts them, also when
+    # the model was built on the host (the offload recipe) or is to_empty'd there later.
+    buffers_to_device(module, mesh.device_type)
+    if offload is not None:
+        keep_buffers_on_device(module, mesh.device_type)
     _track_forwards(module, state)
     step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
     setattr(module, STATE_ATTR, state)
