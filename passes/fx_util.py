@@ -11,9 +11,11 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
-    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "graph_order", "replace_and_erase",
+    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "graph_order",
+    "replace_and_erase",
 ]
 
 aten = torch.ops.aten
@@ -26,7 +28,7 @@ _PROVENANCE = ("stack_trace", "nn_module_stack")
 # a lowering pass made, so graphshard's own data movement can be told from the model's
 # (``graphshard.passes.traffic``).
 LOWERED = "graphshard_lowered"
-# The op of every copy between devices a pass inserts (CPU offload): ``prims.device_put``.
+# The op of every host-to-device copy a pass inserts (CPU offload): ``prims.device_put``.
 # Inductor lowers it (to its device-copy IR node); it has no lowering of its own for
 # ``aten._to_copy``, which AOTAutograd decomposes away before any pass runs, so a
 # ``_to_copy`` made by a pass fails in Inductor ("both a fallback and a decomp").
@@ -93,12 +95,19 @@ class NodeMaker:
         return node
 
 
-def copy_to_device(make: NodeMaker, node: fx.Node, device: str, *, non_blocking: bool,
-                   direction: str, bucket: int) -> fx.Node:
-    """``node`` copied to ``device`` by an op Inductor lowers, tagged
-    ``meta["graphshard_copy"] = {"direction": direction, "bucket": bucket}``."""
-    copy = make(DEVICE_COPY, node, torch.device(device), non_blocking)
-    copy.meta["graphshard_copy"] = {"direction": direction, "bucket": bucket}
+def copy_to_device(make: NodeMaker, node: fx.Node, device: str, bucket: int) -> fx.Node:
+    """The host ``node`` copied to ``device``, non-blocking (from pinned memory it overlaps
+    compute), by an op Inductor lowers; tagged ``meta["graphshard_copy"]``."""
+    copy = make(DEVICE_COPY, node, torch.device(device), True)
+    copy.meta["graphshard_copy"] = {"direction": "h2d", "bucket": bucket}
+    return copy
+
+
+def copy_to_host(make: NodeMaker, node: fx.Node, bucket: int) -> fx.Node:
+    """The device ``node`` copied into pinned host memory, blocking
+    (:mod:`graphshard.passes.host_copy`); tagged ``meta["graphshard_copy"]``."""
+    copy = make(TO_HOST, node)
+    copy.meta["graphshard_copy"] = {"direction": "d2h", "bucket": bucket}
     return copy
 
 

@@ -18,8 +18,9 @@ on the wire. The all-to-all carries the same ``graphshard`` tag as the reduce-sc
 
 With CPU offload the markers carry an ``out_device`` (the host): the bucket's reduced flat
 buffer (after the replica all-reduce and the cast back) is copied there in one blocking
-``prims.device_put`` (tagged ``meta["graphshard_copy"]``), and the shards' gradients are views
-of the host copy. It depends on the wait, so ``overlap_reduce`` moves it with the wait.
+``graphshard::to_host`` into pinned memory (tagged ``meta["graphshard_copy"]``), and the
+shards' gradients are views of the host copy. It depends on the wait, so
+``overlap_reduce`` moves it with the wait.
 
 At world 1 without replicas there is nothing to reduce: each gradient is handed straight to
 its shard (after the casts and held-back additions its marker asks for), with no buffer,
@@ -36,7 +37,7 @@ from graphshard.passes.fx_util import (
     NodeMaker,
     aten,
     c10d,
-    copy_to_device,
+    copy_to_host,
     graph_order,
     prims,
     replace_and_erase,
@@ -79,8 +80,7 @@ def _lower_local(graph: fx.Graph, make: NodeMaker, node: fx.Node, bucket: int) -
         if args.out_dtype is not None and args.out_dtype != grad.meta["val"].dtype:
             grad = make(prims.convert_element_type.default, grad, args.out_dtype)
         if args.out_device:  # CPU offload: the gradient goes to the host shard
-            grad = copy_to_device(make, grad, args.out_device, non_blocking=False,
-                                  direction="d2h", bucket=bucket)
+            grad = copy_to_host(make, grad, bucket)
         if not grad.meta["val"].is_contiguous() and any(u.op != "output" for u in node.users):
             # the marker's users were traced on a dense gradient (a view of it must work)
             grad = make(aten.clone.default, grad, memory_format=torch.contiguous_format)
@@ -151,8 +151,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: 
         if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
             result = make(prims.convert_element_type.default, result, first.out_dtype)
         if first.out_device:  # CPU offload: one copy of the bucket's gradients to the host
-            result = copy_to_device(make, result, first.out_device, non_blocking=False,
-                                    direction="d2h", bucket=bucket.index)
+            result = copy_to_host(make, result, bucket.index)
         shards, offset = [], 0
         total = sum(layout.piece_numel for layout in layouts)
         for node, layout in zip(bucket.nodes, layouts, strict=True):

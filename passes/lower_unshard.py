@@ -122,8 +122,7 @@ def _to_compute(make: NodeMaker, shard: fx.Node, args, bucket: int) -> fx.Node:
     ``compute_device``), non-blocking; the shard itself when it is gathered where it lives."""
     if not args.compute_device:
         return shard
-    return copy_to_device(make, shard, args.compute_device, non_blocking=True, direction="h2d",
-                          bucket=bucket)
+    return copy_to_device(make, shard, args.compute_device, bucket)
 
 
 def _cast(make: NodeMaker, shard: fx.Node, args) -> fx.Node:

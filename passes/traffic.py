@@ -52,6 +52,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.fx_util import DEVICE_COPY, LOWERED
+from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.markers import is_collective_start
 
 __all__ = ["CATEGORIES", "Traffic", "traffic", "step_traffic", "format_traffic"]
@@ -147,7 +148,7 @@ def _is_wire(node: fx.Node) -> bool:
 
 
 def _is_device_copy(node: fx.Node) -> bool:
-    return node.target is DEVICE_COPY
+    return node.target is DEVICE_COPY or node.target is TO_HOST
 
 
 def _val(node: fx.Node) -> torch.Tensor:

@@ -189,6 +189,8 @@ def kernels() -> dict[str, Any]:
                     f"_to_copy(device={kwargs.get('device')}, dtype={kwargs.get('dtype')}, "
                     f"non_blocking={kwargs.get('non_blocking', False)})"
                 )
+            elif func is torch.ops.graphshard.to_host.default:
+                self.calls.append(f"to_host({args[0].device.type} -> pinned host)")
             elif "_c10d_functional" in str(func) and "wait" not in str(func):
                 self.calls.append(str(func).split(".")[1])
             return func(*args, **kwargs)

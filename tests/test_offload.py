@@ -33,6 +33,7 @@ COMPUTE = {"aten.mm.default", "aten.addmm.default"}
 GATHER = "_c10d_functional.all_gather_into_tensor.default"
 WAIT = "_c10d_functional.wait_tensor.default"
 DEVICE_PUT = "prims.device_put.default"
+TO_HOST = "graphshard.to_host.default"
 
 
 class Traced(dict):
@@ -90,7 +91,7 @@ def copies(records: list[dict[str, Any]], direction: str) -> list[dict[str, Any]
 def device_copies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every copy between devices, tagged or not: ``prims.device_put`` (the op Inductor
     lowers), or an ``aten._to_copy`` naming a device (which Inductor would refuse)."""
-    return [r for r in records if r["target"] == DEVICE_PUT
+    return [r for r in records if r["target"] in (DEVICE_PUT, TO_HOST)
             or (r["target"] == "aten._to_copy.default" and "device" in r["kwargs"])]
 
 
@@ -273,7 +274,7 @@ def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(trac
             assert nodes[source]["inputs"] == [last["name"]] and copy["dtype"] == "float32"
         else:
             assert source == last["name"]
-        assert copy["device"] == "cpu" and not non_blocking(copy)
+        assert copy["device"] == "cpu" and copy["target"] == TO_HOST  # pinned, blocking
         assert copy["nbytes"] == nodes[source]["nbytes"]  # the bucket's reduced pieces
         assert order[last["name"]] < order[copy["name"]]
         # the shards' gradients are views of the host copy
@@ -308,7 +309,7 @@ def test_eager_kernels_copy_to_the_device_then_cast_and_gather_and_back_after_re
     assert kernels["unshard"]["device"] == ACCEL and kernels["unshard"]["shape"] == [5, 8]
     assert kernels["reduce_grad"]["calls"] == [
         "reduce_scatter_tensor",
-        "_to_copy(device=cpu, dtype=torch.float32, non_blocking=False)",
+        f"to_host({ACCEL} -> pinned host)",
     ]
     assert kernels["reduce_grad"]["device"] == "cpu"
     assert kernels["reduce_grad"]["shape"] == [3, 8]  # rank 0's rows of [5, 8]
@@ -350,9 +351,8 @@ def test_lowering_copies_to_and_from_cuda_with_valid_values():
     assert gather.meta["val"].numel() == 2 * layout.piece_numel
     (d2h,) = [n for n in bw.graph.nodes if n.meta.get("graphshard_copy")]
     assert d2h.meta["graphshard_copy"] == {"direction": "d2h", "bucket": 0}
-    assert d2h.target is torch.ops.prims.device_put.default
+    assert d2h.target is torch.ops.graphshard.to_host.default
     assert d2h.args[0].target is torch.ops._c10d_functional.wait_tensor.default
-    assert d2h.args[1:] == (torch.device("cpu"), False)
     assert d2h.meta["val"].device.type == "cpu"
     (out,) = bw.graph.find_nodes(op="output")[0].args[0]
     assert out.meta["val"].device.type == "cpu" and tuple(out.meta["val"].shape) == (3, 8)

@@ -7,8 +7,9 @@ markers with bucketed collectives doing the same arithmetic in the same order.
 
 With CPU offload (``graphshard.CPUOffload``) ``unshard`` first copies the host shard to the
 compute device (non-blocking: the shard is pinned and stays untouched until the optimizer
-step), and ``reduce_grad`` copies the reduced gradient back to the host (blocking, so that
-it has arrived when backward returns and the optimizer reads it).
+step), and ``reduce_grad`` copies the reduced gradient back into pinned host memory
+(``graphshard::to_host``: full bandwidth, and blocking, so that it has arrived when autograd
+accumulates it and the optimizer reads it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from graphshard.api.reduce_scatter import reduce_scatter
+from graphshard.passes.host_copy import to_host
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -82,8 +84,8 @@ def _reduce_grad_eager(grad, *args, **kwargs):
         out = _reduce(out, "all_reduce", m.replica_size, m.replica_group)
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
-    if m.out_device:  # CPU offload: the reduced pieces go back to the host shard
-        out = out.to(m.out_device)
+    if m.out_device:  # CPU offload: the reduced pieces go back to the host shard (pinned)
+        out = to_host(out)
     if not m.all_reduce:  # a partial accumulates as the padded piece
         return out.view(layout.piece_shape)
     return local_from_reduced(eager, out, layout, m.local_rows)
