@@ -28,6 +28,7 @@ from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.errors import GraphshardTypeError
 from graphshard.passes import Plan
 from graphshard.safety.fingerprint import check_compile_plan
+from graphshard.safety.guards import refuse_unsharded_parameters
 
 __all__ = ["backend", "GraphshardBackend"]
 
@@ -94,7 +95,9 @@ class GraphshardBackend:
         self.pass_seconds: dict[str, float] = {}  # wall time per pass, over every graph
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        initialised = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if initialised else 0
+        refuse_unsharded_parameters(example_inputs, dist.get_world_size() if initialised else 1)
         dumper = GraphDumper(self.dump_dir or dump_dir_from_env(), next(_graph_ids), rank)
         plan = self.plan
         check_compile_plan(gm, plan)  # same plan on every rank, before any collective runs

@@ -37,7 +37,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from graphshard.errors import ShardedModelError
 from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
 
-__all__ = ["collect_originals", "after_shard", "ShardedModelError"]
+__all__ = [
+    "collect_originals", "after_shard", "refuse_unsharded_parameters", "ShardedModelError",
+]
 
 
 def collect_originals(module: nn.Module) -> list[tuple[nn.Parameter, str]]:
@@ -189,3 +191,28 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 
 
 _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def refuse_unsharded_parameters(example_inputs: Any, world_size: int) -> None:
+    """Refuse a graph that trains plain (unsharded) parameters on more than one rank.
+
+    graphshard synchronises gradients only of the parameters ``shard()`` made: a model
+    compiled with the graphshard backend but never sharded (or sharded only in part) would
+    train every rank on its own gradients, and the ranks' weights would drift apart with no
+    error. At world 1 there is nothing to synchronise, and the plain model compiles.
+    Frozen parameters (``requires_grad=False``) need no synchronisation and pass.
+    """
+    if world_size <= 1:
+        return
+    plain = [x for x in example_inputs if isinstance(x, nn.Parameter)
+             and not isinstance(x, DTensor) and x.requires_grad]
+    if plain:
+        shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4])
+        raise ShardedModelError(
+            f"torch.compile(backend='graphshard') got {len(plain)} trainable parameter(s) that "
+            f"are not sharded (shapes {shapes}{', ...' if len(plain) > 4 else ''}) on "
+            f"{world_size} ranks: their gradients would never be synchronised, and the ranks' "
+            "weights would drift apart. Call graphshard.shard(model) on the root module "
+            "before torch.compile (shard() once, on the root: it shards every parameter), or "
+            "freeze those parameters (requires_grad_(False))."
+        )

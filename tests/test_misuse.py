@@ -1,0 +1,59 @@
+"""Misuse that used to train silently wrong: each must raise with the fix, before any step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_utils import TwoBlock, fake_process_group
+from torch import nn
+
+import graphshard
+from graphshard.errors import ShardedModelError
+
+
+def _compile_step(model: nn.Module) -> None:
+    compiled = torch.compile(model, backend=graphshard.backend(inductor=False), fullgraph=True)
+    compiled(torch.randn(4, 8)).sum().backward()
+
+
+def _raised(error: pytest.ExceptionInfo, kind: type) -> BaseException:
+    """The graphshard error itself: Dynamo wraps what a backend raises (``BackendCompilerFailed``,
+    whose ``inner_exception`` it is)."""
+    found = error.value
+    while found is not None and not isinstance(found, kind):
+        found = getattr(found, "inner_exception", None) or found.__cause__
+    assert found is not None, f"no {kind.__name__} in the chain of {error.value!r}"
+    return found
+
+
+def test_compiling_a_model_that_was_never_sharded_on_two_ranks_says_to_shard_it():
+    with fake_process_group(2):
+        with pytest.raises(Exception) as error:
+            _compile_step(TwoBlock())
+    message = str(_raised(error, ShardedModelError))
+    assert "not sharded" in message and "on 2 ranks" in message
+    assert "graphshard.shard(model)" in message
+
+
+def test_a_model_sharded_only_in_part_is_refused_too():
+    with fake_process_group(2):
+        model = TwoBlock()
+        graphshard.shard(model.blocks[0])  # the other block and the head stay plain
+        with pytest.raises(Exception) as error:
+            _compile_step(model)
+    assert "trainable parameter(s) that are not sharded" in str(_raised(error,
+                                                                        ShardedModelError))
+
+
+def test_frozen_plain_parameters_and_world_1_compile():
+    with fake_process_group(2):
+        model = TwoBlock()
+        frozen = nn.Linear(8, 8)
+        frozen.requires_grad_(False)
+        graphshard.shard(model)
+        model.frozen = frozen  # not trained: nothing to synchronise
+        _compile_step(model)
+    with fake_process_group(1):  # one rank: the plain model compiles and trains
+        model = TwoBlock()
+        _compile_step(model)
+        assert all(p.grad is not None for p in model.parameters())
