@@ -23,6 +23,16 @@ call (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``
 their coalesced forms, ``wait_tensor``) reach them; ``all_gather_into_tensor_out``, whose
 C++ kernel does not consult a Python group, is routed to it by a kernel registered here for
 the lifetime of the fake world.
+
+Every group also registers the fake world's device type (``cpu``, or ``cuda`` with
+``init_fake_world(device="cuda")``) the way ``init_process_group`` registers gloo or NCCL
+on a real group, so code that asks a group for its device finds one:
+``group._device_types``, ``distributed_c10d._get_pg_default_device(group)`` and
+``group._get_backend(device)`` answer as for gloo on the CPU and NCCL on CUDA. The backend
+registered there is torch's ``FakeProcessGroup`` with ``error_on_collective``: it never
+computes anything (the group's own methods do), it only answers questions such as
+``supports_time_estimate`` (False: Inductor's collective estimators fall back to their
+analytical model), and raises if a collective ever reached it instead of the group.
 """
 
 from __future__ import annotations
@@ -104,11 +114,12 @@ class FakeWorldGroup(dist.ProcessGroup):
     ``reduce_scatter_tensor_coalesced``).
     """
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, device: str = "cpu") -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._group_name = ""
         self._group_desc = ""
+        _register_device(self, device)
 
     # -- identity (the C++ base keeps no name for a Python group)
 
@@ -126,6 +137,20 @@ class FakeWorldGroup(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
+
+    # -- point to point: no rule gives another rank's data
+
+    def send(self, tensors: Tensors, dst: int, tag: int = 0) -> dist.Work:
+        """Not supported: a fake world has no other rank to send to."""
+        raise NotImplementedError("fake-world groups have no point-to-point send")
+
+    def recv(self, tensors: Tensors, src: int, tag: int = 0) -> dist.Work:
+        """Not supported: another rank's data is unknown."""
+        raise NotImplementedError("fake-world groups have no point-to-point recv")
+
+    def recv_anysource(self, tensors: Tensors, tag: int = 0) -> dist.Work:
+        """Not supported: another rank's data is unknown."""
+        raise NotImplementedError("fake-world groups have no point-to-point recv")
 
     # -- arithmetic of N equal contributions
 
@@ -296,8 +321,37 @@ for _name in _COLLECTIVES:  # opaque to Dynamo, like a C++ group's methods
     setattr(FakeWorldGroup, _name, torch._dynamo.disable(getattr(FakeWorldGroup, _name)))
 
 
+def _device_backend(rank: int, size: int) -> Any:
+    """torch's ``FakeProcessGroup`` backend, set to raise on any collective (where the
+    torch version has that option): registered for a device, never used to compute."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    create = getattr(FakeProcessGroup, "_create_internal", None)
+    if create is None:  # older torch: a public constructor
+        return FakeProcessGroup(rank, size)
+    options_class = getattr(FakeProcessGroup, "Options", None)
+    if options_class is None or not hasattr(options_class(), "error_on_collective"):
+        return create(rank, size)
+    options = options_class()
+    options.error_on_collective = True
+    return create(rank, size, options)
+
+
+def _register_device(group: dist.ProcessGroup, device: str) -> None:
+    """Register ``device``'s type with ``group`` (as ``init_process_group`` registers gloo on
+    ``cpu`` or NCCL on ``cuda``) and make it the group's default backend."""
+    backend_type = dist.ProcessGroup.BackendType.CUSTOM
+    backend = _device_backend(group.rank(), group.size())
+    group._register_backend(torch.device(device), backend_type, backend)
+    group._set_default_backend(backend_type)
+
+
+# The device type every new fake-world group registers (set by :func:`init_fake_world`).
+_DEVICE = "cpu"
+
+
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> FakeWorldGroup:
-    return FakeWorldGroup(rank, size)
+    return FakeWorldGroup(rank, size, _DEVICE)
 
 
 def register_backend() -> None:
@@ -338,13 +392,19 @@ def init_fake_world(world_size: int, rank: int = 0, device: str = "cpu") -> None
     """Start the default process group as rank ``rank`` of a fake world of ``world_size``.
 
     Nothing else runs: the other ranks are imagined (see the module docstring). ``device``
-    only selects where CUDA tensors are expected; the groups serve CPU and CUDA tensors.
+    (``"cpu"`` or ``"cuda"``) is the device type every group of the world registers, the one
+    ``_get_pg_default_device`` answers (as gloo's groups answer ``cpu`` and NCCL's ``cuda``);
+    the groups' collectives serve CPU and CUDA tensors either way.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    global _DEVICE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"a fake world's device is 'cpu' or 'cuda', not {device!r}")
     register_backend()
+    _DEVICE = device
     _route_out_variant()
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -354,9 +414,10 @@ def init_fake_world(world_size: int, rank: int = 0, device: str = "cpu") -> None
 def shutdown_fake_world() -> None:
     """Destroy the fake world's process groups and restore ``all_gather_into_tensor_out``'s
     own kernels (for a process that goes on without it, such as a test session)."""
-    global _OUT_LIBRARY
+    global _OUT_LIBRARY, _DEVICE
     if dist.is_initialized():
         dist.destroy_process_group()
+    _DEVICE = "cpu"
     if _OUT_LIBRARY is not None:
         _OUT_LIBRARY._destroy()
         _OUT_LIBRARY = None

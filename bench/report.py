@@ -140,6 +140,16 @@ def _loss(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
+def precision(setting: str) -> str:
+    """What ``--mixed-precision`` ``setting`` means, in a few words for the header."""
+    if setting == "none":
+        return "fp32 (no mixed precision)"
+    return (
+        f"mixed precision {setting} (params and compute {setting}, gradients reduced in "
+        "fp32; autocast for ddp and single)"
+    )
+
+
 def header(report: dict) -> str:
     """The line that says what was run, where, and how the steps were scheduled."""
     cfg = report["config"]
@@ -163,6 +173,7 @@ def header(report: dict) -> str:
     adamw = "AdamW" if optimizer == "default" else f"AdamW ({optimizer})"
     return (
         f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, {adamw}, "
+        f"{precision(cfg.get('mixed_precision', 'none'))}, "
         f"batch {cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
         f"({cfg['warmup']} warm-up), {schedule}, {machine['device_name']} "
         f"({machine['cpu_count']} CPUs{busy}), torch {machine['torch']}"
@@ -204,10 +215,12 @@ def to_markdown(report: dict) -> str:
             f"| {_loss(s['final_loss'])} | {_fmt(s['predicted_step_s'], 1e3)} |"
         )
     ref = report["reference"]
+    b_param, b_reduce = ref.get("b_param", 4), ref.get("b_reduce", 4)
     measured = by_name.get("graphshard-compiled", {}).get("bytes_per_step")
     lines += [
         "",
-        f"ZeRO-3 formula (N-1)/N * Psi * (2*4 + 4) = {ref['zero3_bytes_per_rank']:,.0f} bytes "
+        f"ZeRO-3 formula (N-1)/N * Psi * (2*{b_param} + {b_reduce}) = "
+        f"{ref['zero3_bytes_per_rank']:,.0f} bytes "
         f"per rank per step; graphshard-compiled measured "
         f"{'n/a' if measured is None else f'{measured:,}'} bytes "
         f"({_ratio(measured, ref['zero3_bytes_per_rank'])} of the formula).",

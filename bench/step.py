@@ -2,7 +2,8 @@
 
     python -m bench.step --world-size 2 --model llama-small --steps 30 --json out.json \\
         [--markdown out.md] [--device cpu|cuda] [--systems NAME ...] [--batch-size 4] \\
-        [--seq-len 128] [--warmup 5] [--round-steps 1] [--sequential] [--fake-world N]
+        [--seq-len 128] [--warmup 5] [--round-steps 1] [--sequential] [--fake-world N] \\
+        [--mixed-precision none|bf16|fp16]
 
     python -m bench.step --systems graphshard-compiled \\
         'graphshard-compiled[reshard_after_forward=False]' --json out.json
@@ -63,6 +64,13 @@ Per system:
 - ``predicted_step_s``: graphshard-compiled only, the cost model's forward+backward estimate
   (profile ``cpu-gloo`` on the CPU, ``h100-nvlink`` on CUDA; the optimizer is not modelled).
 
+``--mixed-precision bf16`` (or ``fp16``; default ``none``, fp32) gives every system the same
+precision through its own mechanism (:mod:`bench.systems`): parameters gathered and computed
+in that dtype and gradients reduced in fp32 (graphshard ``MixedPrecision``, FSDP2 and
+SimpleFSDP ``MixedPrecisionPolicy``), or ``torch.autocast`` around forward and loss (DDP,
+single-compiled); master weights and AdamW state stay fp32 everywhere. fp16 runs without a
+``GradScaler`` (a benchmark times steps; its losses are not a convergence result).
+
 ``--fake-world N`` runs one process as rank 0 of N ranks (:mod:`bench.fake_world`): the
 collectives are computed locally with real data (a gather tiles this rank's shard), so the
 times are the compute side of an N-rank step without the network.
@@ -102,6 +110,7 @@ from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
 from bench.systems import (
     ADAMW_IMPLEMENTATIONS,
+    MIXED_PRECISION,
     SYSTEMS,
     BenchContext,
     PeerUnavailable,
@@ -163,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="AdamW's implementation, the same for every system: torch's default (its "
         "per-parameter loop on the CPU, foreach on a GPU), loop, foreach or fused",
     )
+    parser.add_argument(
+        "--mixed-precision", default="none", choices=list(MIXED_PRECISION),
+        help="parameter/compute dtype for every system, gradients reduced in fp32: graphshard "
+        "MixedPrecision, FSDP2 and SimpleFSDP mp_policy, torch.autocast for DDP and "
+        "single-compiled (fp16 without a GradScaler)",
+    )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch threads per process [CPU count / world size, also in a fake world]",
@@ -483,7 +498,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
     store = dist.FileStore(store_path, args.processes)
     device = _init_process_group(rank, args, dist.PrefixStore("pg", store))
     ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size,
-                       args.optimizer)
+                       args.optimizer, args.mixed_precision)
     runner = _Rank(rank, args, ctx, store)
     groups = [[name] for name in args.systems] if args.sequential else [args.systems]
     records = []
@@ -529,6 +544,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = llama_config(args.model)
     num_params = sum(p.numel() for p in _count_model(cfg).parameters())
+    param_dtype = MIXED_PRECISION[args.mixed_precision]
+    b_param = 4 if param_dtype is None else param_dtype.itemsize
     start, load_start = time.perf_counter(), _load_average()
     records = _spawn(args)
     report = {
@@ -536,8 +553,10 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {**vars(args), "wall_s": time.perf_counter() - start},
         "reference": {
             "params": num_params,
-            "zero3_bytes_per_rank": zero3_bytes(num_params, args.world_size),
-            "formula": "(N-1)/N * Psi * (2*b_param + b_reduce), fp32: b = 4",
+            "zero3_bytes_per_rank": zero3_bytes(num_params, args.world_size, b_param, 4),
+            "b_param": b_param,
+            "b_reduce": 4,
+            "formula": "(N-1)/N * Psi * (2*b_param + b_reduce), fp32: b = 4, bf16/fp16: b = 2",
         },
         "systems": records,
     }

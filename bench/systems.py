@@ -34,6 +34,16 @@ times, memory and losses can be read side by side:
   bucket_bytes=8000000]`` or ``graphshard-compiled[reshard_after_forward=False]``: interleaved
   with the default in one run, it measures what an option changes on this machine.
 
+Mixed precision (``--mixed-precision bf16|fp16``, :data:`MIXED_PRECISION`) is each system's
+own mechanism, with gradients reduced in fp32 and fp32 master weights and optimizer state
+everywhere: graphshard ``shard(mixed_precision=graphshard.MixedPrecision(param_dtype,
+reduce_dtype=torch.float32))``; FSDP2 ``fully_shard(mp_policy=MixedPrecisionPolicy(...))``
+with the same two dtypes; SimpleFSDP ``data_parallel(mp_policy=...)`` with torchtitan's own
+``MixedPrecisionPolicy`` of the same two dtypes; DDP and single-compiled, which have no
+policy, ``torch.autocast(device_type, dtype)`` around forward and loss
+(:attr:`System.autocast`). fp16 runs without a ``GradScaler``: a benchmark times the step
+and need not protect small gradients from underflow, but its losses may drift from bf16's.
+
 Every distributed system gets a process group of its own (``dist.new_group`` over all ranks),
 so a failure that leaves one system's collectives mismatched leaves the others usable, and
 the systems can stay alive side by side while the benchmark interleaves their steps.
@@ -60,6 +70,7 @@ from graphshard.models.llama import Llama, LlamaConfig
 
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
+    "MIXED_PRECISION",
     "SYSTEMS",
     "SIMPLEFSDP_MODES",
     "BenchContext",
@@ -150,6 +161,16 @@ TORCHTITAN = "torchtitan==0.3.0"
 SETTLE_EVENT = "bench::settle_step_prefetch"
 
 
+# --mixed-precision -> the dtype parameters are gathered and computed in (None: fp32 as
+# built). Gradients are reduced in fp32 for every setting.
+MIXED_PRECISION: dict[str, torch.dtype | None] = {
+    "none": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+REDUCE_DTYPE = torch.float32
+
+
 class PeerUnavailable(RuntimeError):
     """A peer system cannot be built here (its package is missing): skipped, not failed."""
 
@@ -166,6 +187,13 @@ class BenchContext:
     # AdamW's implementation for every system: "default" (torch's choice: its per-parameter
     # loop on the CPU, foreach on a GPU), or "loop", "foreach", "fused"
     optimizer: str = "default"
+    # a key of MIXED_PRECISION: "none" (fp32), "bf16" or "fp16"
+    mixed_precision: str = "none"
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype parameters are computed in (None: their own, fp32)."""
+        return MIXED_PRECISION[self.mixed_precision]
 
 
 @dataclass
@@ -179,7 +207,9 @@ class System:
     (compiler settings that must hold while its graphs compile, forward and backward);
     ``settle()`` runs at the end of every step (graphshard: wait for the gathers its
     optimizer step issued, so that, interleaved, they do not finish under other systems'
-    steps for free).
+    steps for free); ``autocast``, where set, is the dtype the forward and the loss run
+    in under ``torch.autocast`` (the mixed precision of systems without a policy of their
+    own: DDP, single-compiled).
     """
 
     name: str
@@ -192,6 +222,7 @@ class System:
     group: dist.ProcessGroup | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     settle: Callable[[], None] = lambda: None
+    autocast: torch.dtype | None = None
 
 
 _PRIVATE_CLASSES: dict[str, type[Llama]] = {}
@@ -274,6 +305,10 @@ def _graphshard(
     from graphshard.api.step_prefetch import wait_issued
 
     shard_options = {k: options.pop(k) for k in SHARD_OPTIONS & options.keys()}
+    if ctx.param_dtype is not None:
+        shard_options["mixed_precision"] = graphshard.MixedPrecision(
+            param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE
+        )
     model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx), **shard_options)
     if name == "graphshard-eager":
         return System(name, model, model, _adamw(model, ctx), group=group)
@@ -290,15 +325,20 @@ def _graphshard(
 
 
 def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch: bool):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     name = "fsdp2" + ("-prefetch" if prefetch else "") + ("-compiled" if compiled else "-eager")
     mesh = _mesh(group, ctx)
     model = build_model(ctx, name)
     blocks = list(model.layers)
+    options: dict[str, Any] = {"mesh": mesh}
+    if ctx.param_dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE
+        )
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     if prefetch:  # one block ahead, both directions
         for i, block in enumerate(blocks):
             if i + 1 < len(blocks):
@@ -373,14 +413,22 @@ def _compile_context(settings: dict[str, Any]) -> Callable[[], contextlib.Abstra
 
 def _simple_fsdp(ctx: BenchContext, group: dist.ProcessGroup, name: str) -> System:
     try:
-        from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+        from torchtitan.experiments.graph_trainer.simple_fsdp import (
+            MixedPrecisionPolicy,
+            data_parallel,
+        )
     except ImportError as exc:
         raise PeerUnavailable(
             f"torchtitan is not installed ({type(exc).__name__}: {exc}); install the bench "
             f"extra: pip install -e '.[bench]' (or pip install --no-deps {TORCHTITAN} "
             "spmd_types==0.2.3 tyro)"
         ) from exc
-    model = data_parallel(build_model(ctx, name), _mesh(group, ctx), mode="fully_shard")
+    mp_policy = None  # SimpleFSDP's own policy class (torchtitan 0.3.0), not FSDP2's
+    if ctx.param_dtype is not None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE)
+    model = data_parallel(
+        build_model(ctx, name), _mesh(group, ctx), mode="fully_shard", mp_policy=mp_policy
+    )
     settings = _inductor_settings(SIMPLEFSDP_MODES[name], block_bucket_plans(model))
     run = _compile(model, settings, fullgraph=True)  # as graph_trainer's JIT mode compiles
     return System(
@@ -401,8 +449,9 @@ def _ddp_compiled(ctx: BenchContext, group: dist.ProcessGroup) -> System:
             "about one copy of the parameters)"
         )
     return System(
-        "ddp-compiled", _compile(ddp), model, _adamw(model, ctx), notes=notes, group=group
-    )
+        "ddp-compiled", _compile(ddp), model, _adamw(model, ctx), notes=notes, group=group,
+        autocast=ctx.param_dtype,  # fp16 too, with no GradScaler: a benchmark times steps
+    )  # fmt: skip
 
 
 def _single_compiled(ctx: BenchContext, group: None) -> System:
@@ -413,8 +462,9 @@ def _single_compiled(ctx: BenchContext, group: None) -> System:
         "distributed systems' global-batch loss"
     ]
     return System(
-        "single-compiled", _compile(model), model, _adamw(model, ctx), False, notes=notes
-    )
+        "single-compiled", _compile(model), model, _adamw(model, ctx), False, notes=notes,
+        autocast=ctx.param_dtype,
+    )  # fmt: skip
 
 
 _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {

@@ -5,6 +5,7 @@ Kept apart from the orchestration in ``bench.step`` so the numbers' definitions 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from typing import Any
@@ -20,12 +21,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _forward_context(system: System, tokens: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on the tokens' device type in ``system.autocast``, else nothing."""
+    if system.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(tokens.device.type, dtype=system.autocast)
+
+
 def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
-    """One full step inside the system's context: forward, backward, optimizer step,
-    gradients set to None, then whatever the system must finish before the step counts as
-    done (``System.settle``)."""
+    """One full step inside the system's context: forward (and loss, under autocast where
+    the system asks for it: ``System.autocast``), backward, optimizer step, gradients set
+    to None, then whatever the system must finish before the step counts as done
+    (``System.settle``).
+
+    fp16 autocast runs without a ``GradScaler``: the bench times steps, and a gradient that
+    underflows costs the same time; the fp16 losses are not a convergence result.
+    """
     with system.context():
-        loss = system.run(tokens).loss
+        with _forward_context(system, tokens):
+            loss = system.run(tokens).loss
         loss.backward()
         system.optimizer.step()
         system.optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
 """Tests of the step benchmark (``python -m bench.step``) and its fake world.
 
-Two bench launches are shared by the tests (module fixtures): two gloo ranks with the peers,
-and a one-process fake world. The fake world's collectives are also checked in this process.
+Two bench launches are shared by the tests (module fixtures): two gloo ranks with the peers
+in fp32, and a one-process fake world in bf16 (``--mixed-precision bf16``). The fake world's
+collectives and groups are also checked in this process.
 """
 
 from __future__ import annotations
@@ -44,12 +45,20 @@ SYSTEMS = [
     "ddp-compiled",
     "single-compiled",
 ]
-# The compiled graphs' functional collectives are graphshard-compiled's here (SimpleFSDP's are
-# checked in this process below); the same world size as the first run, so that Inductor's
-# cache has its kernels.
-# A variant: graphshard-compiled keeping the forward's gathers for backward.
+# The fake world (bf16) runs the compiled graphs' functional collectives of graphshard and
+# SimpleFSDP, and DDP and single-compiled under autocast; the same world size as the first
+# run. A variant: graphshard-compiled keeping the forward's gathers for backward.
 NO_RESHARD = "graphshard-compiled[reshard_after_forward=False]"
-FAKE_SYSTEMS = ["graphshard-compiled", "graphshard-eager", "fsdp2-eager", NO_RESHARD]
+# In a fake world the sharded systems all train the tiled shards (one model), DDP and
+# single-compiled the full model (another: DDP's mean of N equal gradients is the local one).
+FAKE_SHARDED = ["graphshard-compiled", "graphshard-eager", "fsdp2-eager", NO_RESHARD,
+                "simplefsdp-compiled"]
+FAKE_FULL = ["ddp-compiled", "single-compiled"]
+FAKE_SYSTEMS = FAKE_SHARDED + FAKE_FULL
+# bf16 losses of two systems computing the same steps differently (compiled, which keeps
+# fused intermediates in fp32, or eager, which rounds every op to bf16) agree to about
+# bf16's resolution (2**-7): 1.5e-3 apart after 3 steps of the fake world here.
+BF16_REL = 1e-2
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2"]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # In the test extra (Python >= 3.11); elsewhere its rows must say why they did not run.
@@ -72,10 +81,11 @@ def two_ranks(tmp_path_factory) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def fake_world(tmp_path_factory) -> tuple[dict, str]:
-    """One run in a fake world of 2 ranks (one process), a learning rate that moves fast."""
+    """One run in a fake world of 2 ranks (one process) in bf16, a learning rate that moves
+    fast."""
     tmp = tmp_path_factory.mktemp("fake_world")
     args = ["--fake-world", "2", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
-            "--optimizer", "fused"]
+            "--optimizer", "fused", "--mixed-precision", "bf16"]
     return _run(tmp, *args, "--systems", *FAKE_SYSTEMS)
 
 
@@ -91,6 +101,8 @@ def test_bench_two_ranks_report(two_ranks):
     report, table = two_ranks
     assert {"platform", "cpu_count", "torch", "device_name"} <= set(report["machine"])
     assert report["config"]["world_size"] == 2 and not report["config"]["sequential"]
+    assert report["config"]["mixed_precision"] == "none" and "fp32 (no mixed precision)" in table
+    assert report["reference"]["b_param"] == 4 and "(2*4 + 4)" in table
     systems = _by_name(report)
     assert list(systems) == SYSTEMS
     ran = [s for s in systems.values() if s["step_s_median"] is not None]
@@ -198,23 +210,61 @@ def test_ratios_are_taken_round_by_round(two_ranks):
 # ----------------------------------------------------------------------------- fake world
 
 
+def _fake_world_rows(report: dict) -> dict[str, dict]:
+    """The fake world's rows that ran (SimpleFSDP's is skipped without torchtitan)."""
+    systems = _by_name(report)
+    assert list(systems) == FAKE_SYSTEMS
+    if not HAS_TORCHTITAN:
+        assert systems.pop("simplefsdp-compiled")["step_s_median"] is None
+    return systems
+
+
 def test_fake_world_trains_on_real_values(fake_world):
     """A gather that left zeros would pin the loss at ln(vocab) (all logits 0)."""
     report, table = fake_world
     assert report["config"]["world_size"] == 2 and "fake world of 2" in table
     assert "AdamW (fused)" in table
-    systems = _by_name(report)
-    assert list(systems) == FAKE_SYSTEMS
     uniform = math.log(llama_config("tiny").vocab_size)
-    first = []
-    for s in systems.values():
+    for name, s in _fake_world_rows(report).items():
         assert s["step_s_median"] is not None, s["notes"]
         losses = s["loss_per_step"]
-        assert abs(losses[0] - uniform) > 1e-3 and losses[-1] < losses[0] - 0.05, (s, uniform)
-        assert s["collectives_per_step"] > 0 and s["bytes_per_step"] > 0, s
-        first.append(losses[0])
-    # Every sharded system gathers the same tiled weights: the same first loss.
-    assert max(first) - min(first) < 1e-3 * abs(first[0]), first
+        assert abs(losses[0] - uniform) > 1e-3, (s, uniform)
+        # the tiled model (sharded systems) learns faster than the full one at this lr
+        assert losses[-1] < losses[0] - (0.05 if name in FAKE_SHARDED else 0.01), s
+        if name != "single-compiled":
+            assert s["collectives_per_step"] > 0 and s["bytes_per_step"] > 0, s
+
+
+def test_bf16_losses_of_every_system_stay_close(fake_world):
+    """In bf16 every system trains the same way, each through its own mechanism (graphshard
+    and FSDP2 and SimpleFSDP cast the gathered parameters, DDP and single-compiled run under
+    autocast): the sharded systems' losses agree step by step (the tiled weights), and so
+    do DDP's and single-compiled's (the full model, the same batch), to bf16's resolution."""
+    report, table = fake_world
+    assert report["config"]["mixed_precision"] == "bf16"
+    assert "mixed precision bf16 (params and compute bf16, gradients reduced in fp32" in table
+    systems = _fake_world_rows(report)
+    for cluster in (FAKE_SHARDED, FAKE_FULL):
+        rows = [systems[name] for name in cluster if name in systems]
+        reference = rows[0]["loss_per_step"]
+        for s in rows[1:]:
+            assert s["loss_per_step"] == pytest.approx(reference, rel=BF16_REL), (s["system"],
+                                                                                  reference)
+
+
+def test_bf16_gathers_half_the_bytes_and_reduces_in_fp32(fake_world):
+    """Every system's collectives carry bf16 parameters and fp32 gradients: SimpleFSDP's
+    one gather and one reduce-scatter per parameter send (N-1)/N * Psi * (2 + 4) bytes, and
+    graphshard-compiled sends what FSDP2 sends (the same gathers, re-gathers, reductions)."""
+    report, table = fake_world
+    ref = report["reference"]
+    assert (ref["b_param"], ref["b_reduce"]) == (2, 4) and "(2*2 + 4)" in table
+    assert ref["zero3_bytes_per_rank"] == pytest.approx(0.5 * ref["params"] * (2 * 2 + 4))
+    systems = _fake_world_rows(report)
+    gs, fsdp = systems["graphshard-compiled"], systems["fsdp2-eager"]
+    assert gs["bytes_per_step"] == fsdp["bytes_per_step"] > 0
+    if "simplefsdp-compiled" in systems:
+        assert systems["simplefsdp-compiled"]["bytes_per_step"] == 0.5 * ref["params"] * (2 + 4)
 
 
 def test_a_variant_runs_with_its_options(fake_world):
@@ -310,6 +360,40 @@ def test_fake_world_collectives_move_real_data(fake_world_of_4):
 
     gathered, reduced = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(gathered, 2 * tiled + 1) and torch.equal(reduced, 8 * x)
+
+
+def test_fake_world_groups_report_their_device(fake_world_of_4):
+    """Every fake-world group registers the world's device type, as gloo registers ``cpu``
+    and NCCL ``cuda``: ``_get_pg_default_device`` answers (Inductor's NCCL estimator asks it,
+    torch 2.11), and the backend there supports no time estimate (the estimators fall back
+    to their analytical model) and computes nothing (a collective reaching it raises)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from bench.fake_world import FakeWorldGroup
+
+    cpu = torch.device("cpu")
+    for group in (dist.group.WORLD, dist.new_group()):
+        assert group._device_types == [cpu]
+        assert c10d._device_capability(group) == ["cpu"]
+        with pytest.warns(UserWarning, match="deprecated"):
+            assert c10d._get_pg_default_device(group) == cpu
+        backend = group._get_backend(cpu)
+        assert backend.supports_time_estimate is False
+        with pytest.raises(NotImplementedError, match="time estimator is not supported"):
+            with dist.distributed_c10d._time_estimator(group=group, device=cpu):
+                pass
+        with pytest.raises(RuntimeError, match="error_on_collective"):
+            backend.allreduce([torch.ones(2)]).wait()
+        y = torch.ones(2)
+        dist.all_reduce(y, group=group)  # the group's own collectives still compute
+        assert torch.equal(y, torch.full((2,), 4.0))
+        with pytest.raises(NotImplementedError, match="point-to-point"):
+            dist.send(y, 1, group=group)
+    # a CUDA fake world's groups register cuda (building one needs no GPU)
+    group = FakeWorldGroup(0, 4, "cuda")
+    assert group._device_types == [torch.device("cuda")]
+    assert c10d._device_capability(group) == ["cuda"]
+    assert group._get_backend(torch.device("cuda")).supports_time_estimate is False
 
 
 def test_fake_world_gathers_the_tiled_shard(fake_world_of_4):
@@ -435,6 +519,61 @@ def test_gloo_reduce_scatter_counts_as_the_all_reduce_it_is():
     assert ring["reduce_scatter"] == ring["all_to_all"] == 1 and ring["total"] == 2
     assert ring["bytes"] == 8 * 4 * 4 // 2 + 8 * 4 * 4 // 2
     assert gloo["bytes"] == 8 * 4 * 4 + 8 * 4 * 4 // 2
+
+
+def test_llama_1b_preset_is_about_a_billion_parameters():
+    """The GPU-sized preset (built on the meta device: nothing allocated)."""
+    cfg = llama_config("llama-1b")
+    assert (cfg.dim, cfg.n_layers, cfg.vocab_size) == (2048, 16, 32768)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert model.num_params() == 1_107_363_840
+    assert parse_args(["--json", "x.json", "--model", "llama-1b", "--seq-len", "2048"]).model == (
+        "llama-1b"
+    )
+
+
+def test_mixed_precision_option_reaches_every_system():
+    from bench.systems import MIXED_PRECISION
+
+    assert parse_args(["--json", "x.json"]).mixed_precision == "none"
+    for name, dtype in (("none", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        assert parse_args(["--json", "x.json", "--mixed-precision", name]).mixed_precision == name
+        ctx = BenchContext(llama_config("tiny"), 0, 1e-3, torch.device("cpu"), 2,
+                           mixed_precision=name)
+        assert ctx.param_dtype is dtype and MIXED_PRECISION[name] is dtype
+    with pytest.raises(SystemExit):
+        parse_args(["--json", "x.json", "--mixed-precision", "fp8"])
+
+
+def test_autocast_runs_the_forward_in_the_systems_dtype():
+    """DDP's and single-compiled's mixed precision: the forward and the loss under
+    ``torch.autocast``, the backward and the optimizer step outside it (fp32 gradients on
+    fp32 parameters)."""
+    from bench.systems import System
+    from bench.timing import train_step
+
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    seen: list[torch.dtype] = []
+
+    def run(tokens: torch.Tensor):
+        out = model(tokens)
+        seen.append(out.logits.dtype)
+        return out
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    grads: list[torch.dtype] = []  # the gradients' dtypes when the optimizer steps
+    optimizer.register_step_pre_hook(
+        lambda opt, *_: grads.extend(p.grad.dtype for p in model.parameters())
+    )
+    for dtype in (None, torch.bfloat16, torch.float16):
+        seen.clear()
+        grads.clear()
+        system = System("x", run, model, optimizer, distributed=False, autocast=dtype)
+        loss = train_step(system, torch.randint(0, 256, (2, 16)))
+        assert seen == [dtype or torch.float32] and loss.dtype == torch.float32
+        assert set(grads) == {torch.float32}
 
 
 def test_block_bucket_plans_follow_graph_trainer():

@@ -317,6 +317,18 @@ CONFIGS: dict[str, LlamaConfig] = {
         ffn_hidden=1408,
         max_seq_len=512,
     ),
+    # About 1.1B parameters: Llama 3.2 1B's body (dim 2048, 16 layers, 32 heads, 8 key/value
+    # heads, SwiGLU 8192) with a 32k vocabulary and untied output: a model that fills a GPU.
+    "llama-1b": LlamaConfig(
+        vocab_size=32768,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+    ),
     "llama3-8b": LlamaConfig(
         vocab_size=128256,
         dim=4096,
