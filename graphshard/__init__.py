@@ -4,7 +4,12 @@
     model = torch.compile(model, backend="graphshard")
 """
 
-from graphshard import _source_tree  # noqa: F401  (first: mounts graphshard.passes in a checkout)
+from graphshard._torch_version import MIN_TORCH, check_torch_version
+
+check_torch_version()  # first: on a too-old torch, one clear ImportError naming the version
+
+from graphshard import _source_tree  # noqa: F401  (mounts graphshard.passes in a checkout)
+from graphshard.api.forward_methods import register_forward_method
 from graphshard.api.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
 from graphshard.api.mixed_precision import MixedPrecision
 from graphshard.api.offload import CPUOffload
@@ -27,6 +32,7 @@ from graphshard.state.loading import load_full_checkpoint
 
 __all__ = [
     "shard",
+    "register_forward_method",
     "backend",
     "GraphshardBackend",
     "save_checkpoint",
@@ -48,5 +54,6 @@ __all__ = [
     "no_sync",
     "set_requires_gradient_sync",
     "set_requires_all_reduce",
+    "MIN_TORCH",
 ]
 __version__ = "0.1.0"

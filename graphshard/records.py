@@ -64,6 +64,10 @@ class ShardState:
     mixed_precision: MixedPrecision | None = None
     folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
     forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
+    # eager reads in the running forward, checked for in-place updates of the gathered copy
+    # (graphshard.safety.mutation): (reference to the copy, its version, parameter name),
+    # the last one a strong reference, the others weak
+    eager_reads: list = field(default_factory=list)
     offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
     compute_device: str = ""  # with offload: the device type shards are gathered on
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import fx
 
 from graphshard.passes.cost_model import HardwareProfile, get_profile
-from graphshard.passes.errors import GraphshardValueError
+from graphshard.passes.errors import GraphshardTypeError, GraphshardValueError
 from graphshard.passes.markers import marker_args
 
 __all__ = ["Plan", "Bucket", "collect_buckets", "use_all_to_all", "ALL_TO_ALL_BACKENDS"]
@@ -67,6 +68,10 @@ class Plan:
             ``"auto"`` (default): ``"all_to_all"`` on gloo groups, the collective elsewhere
             (the backend reads each group's backend before the passes run; offline, with no
             process group, it is the collective).
+
+    Every option is checked when the plan is made (so at ``graphshard.backend(...)``, not at
+    the first compile): a wrong type raises ``GraphshardTypeError`` and a value out of range
+    ``GraphshardValueError``, each naming the option, the value and what is allowed.
     """
 
     prefetch_depth: int = 1
@@ -80,21 +85,56 @@ class Plan:
     reduce_scatter_via: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.bucketing not in BUCKETING:
-            raise GraphshardValueError(
-                f"bucketing must be one of {BUCKETING}, got {self.bucketing!r}"
-            )
-        if self.reduce_scatter_via not in REDUCE_SCATTER_VIA:
-            raise GraphshardValueError(
-                f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got "
-                f"{self.reduce_scatter_via!r}"
-            )
-        if self.prefetch_depth < 0:
-            raise GraphshardValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if self.bucket_bytes <= 0:
-            raise GraphshardValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        _check_int("prefetch_depth", self.prefetch_depth, 0, self,
+                   "buckets gathered ahead of the one computing, 0 to gather on use")
+        if self.max_unsharded_bytes is not None:
+            _check_int("max_unsharded_bytes", self.max_unsharded_bytes, 1, self,
+                       "a byte count such as 2 * 2**30, or None for no cap")
+        _check_choice("bucketing", self.bucketing, BUCKETING)
+        _check_int("bucket_bytes", self.bucket_bytes, 1, self, "a byte count such as 25 * 2**20")
+        for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce"):
+            _check_bool(name, getattr(self, name))
+        _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
         if isinstance(self.profile, str):
             object.__setattr__(self, "profile", get_profile(self.profile))
+        elif not isinstance(self.profile, HardwareProfile):
+            raise GraphshardTypeError(
+                f"graphshard backend option profile must be a hardware profile's name (a str "
+                f"such as 'cpu-gloo' or 'h100-nvlink') or a HardwareProfile, got "
+                f"{self.profile!r} ({type(self.profile).__name__})"
+            )
+
+
+def _check_int(name: str, value: object, minimum: int, plan: Plan, what: str) -> None:
+    """Refuse a non-integer (a bool, a float, a str) or one below ``minimum``; store an
+    integer-like value (a NumPy integer) as a plain ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GraphshardTypeError(
+            f"graphshard backend option {name} must be an int ({what}); got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < minimum:
+        bound = ">= 0" if minimum == 0 else "positive"
+        raise GraphshardValueError(
+            f"graphshard backend option {name} must be {bound} ({what}); got {value}"
+        )
+    object.__setattr__(plan, name, int(value))
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise GraphshardTypeError(
+            f"graphshard backend option {name} must be True or False, got {value!r} "
+            f"({type(value).__name__})"
+        )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        kind = GraphshardValueError if isinstance(value, str) else GraphshardTypeError
+        raise kind(
+            f"graphshard backend option {name} must be one of {choices}, got {value!r}"
+        )
 
 
 @dataclass

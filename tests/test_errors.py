@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from graph_utils import fake_process_group
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import graphshard
 
@@ -112,6 +113,67 @@ def test_unknown_backend_option_names_the_known_ones():
 def test_bad_plan_values(options, message):
     with pytest.raises(ValueError, match=message):
         graphshard.backend(**options)
+
+
+# (option, bad value, error, what the message says): every backend and shard() option, each
+# checked when it is given (graphshard.backend(...) / shard()), never at the first compile.
+BAD_OPTIONS = [
+    ("prefetch_depth", "2", TypeError, r"prefetch_depth must be an int .*got '2' \(str\)"),
+    ("prefetch_depth", 1.5, TypeError, r"prefetch_depth must be an int .*got 1\.5 \(float\)"),
+    ("prefetch_depth", True, TypeError, r"prefetch_depth must be an int .*got True \(bool\)"),
+    ("prefetch_depth", -1, ValueError, r"prefetch_depth must be >= 0 .*got -1"),
+    ("max_unsharded_bytes", "1GB", TypeError,
+     r"max_unsharded_bytes must be an int .*2 \* 2\*\*30, or None.*got '1GB' \(str\)"),
+    ("max_unsharded_bytes", 1e9, TypeError, r"max_unsharded_bytes must be an int .*\(float\)"),
+    ("max_unsharded_bytes", 0, ValueError, r"max_unsharded_bytes must be positive .*got 0"),
+    ("bucketing", "layers", ValueError,
+     r"bucketing must be one of \('block', 'size', 'auto'\), got 'layers'"),
+    ("bucketing", None, TypeError, r"bucketing must be one of .*got None"),
+    ("bucket_bytes", "25MB", TypeError, r"bucket_bytes must be an int .*got '25MB' \(str\)"),
+    ("bucket_bytes", 0, ValueError, r"bucket_bytes must be positive .*got 0"),
+    ("profile", 3, TypeError, r"profile must be a hardware profile's name .*got 3 \(int\)"),
+    ("profile", "h100-nvlnk", ValueError, r"unknown hardware profile 'h100-nvlnk'.*h100-nvlink"),
+    ("reshard_last_bucket", 1, TypeError, r"reshard_last_bucket must be True or False, got 1"),
+    ("step_prefetch", "no", TypeError, r"step_prefetch must be True or False, got 'no' \(str\)"),
+    ("split_last_reduce", None, TypeError, r"split_last_reduce must be True or False, got None"),
+    ("reduce_scatter_via", "ring", ValueError, r"reduce_scatter_via must be one of .*'ring'"),
+    ("dump_dir", 123, TypeError, r"dump_dir must be a directory path .*got 123 \(int\)"),
+    ("inductor", "no", TypeError, r"inductor must be True .*or False .*got 'no' \(str\)"),
+    ("shard:reshard_after_forward", "no", TypeError,
+     r"reshard_after_forward must be True .*ZeRO-3.*or False .*ZeRO-2.*got 'no' \(str\)"),
+    ("shard:mesh", "cpu", TypeError, r"mesh must be a DeviceMesh .*or None.*got 'cpu' \(str\)"),
+    ("shard:buckets", nn.Linear(4, 4), TypeError,
+     r"buckets must be None or a list of groups .*got Linear; for one group pass buckets=\[\["),
+    ("shard:buckets", 2, TypeError, r"buckets must be None or a list of groups .*got int"),
+    ("shard:buckets", [3], TypeError, r"buckets must be a list of modules .*got int"),
+    ("shard:mixed_precision", torch.bfloat16, TypeError,
+     r"mixed_precision must be a graphshard.MixedPrecision, got dtype"),
+    ("shard:offload", True, TypeError, r"offload must be a graphshard.CPUOffload .*got bool"),
+]
+
+
+@pytest.mark.parametrize("option,value,kind,message", BAD_OPTIONS,
+                         ids=[f"{o}={v!r}" for o, v, _, _ in BAD_OPTIONS])
+def test_every_option_is_checked_when_given(option, value, kind, message):
+    if option.startswith("shard:"):
+        with fake_process_group(2):
+            model = nn.Linear(4, 4)
+            with pytest.raises(kind, match=message) as error:
+                graphshard.shard(model, **{option.removeprefix("shard:"): value})
+            assert not graphshard.api.sharding.is_sharded(model)
+            assert not any(isinstance(p, DTensor) for p in model.parameters())  # untouched
+    else:
+        with pytest.raises(kind, match=message) as error:
+            graphshard.backend(**{option: value})
+    assert isinstance(error.value, graphshard.GraphshardError)
+
+
+def test_integer_like_options_are_stored_as_int():
+    import numpy as np
+
+    plan = graphshard.backend(prefetch_depth=np.int64(2), max_unsharded_bytes=np.int32(9)).plan
+    assert type(plan.prefetch_depth) is int and plan.prefetch_depth == 2
+    assert type(plan.max_unsharded_bytes) is int
 
 
 def test_unknown_hardware_profile_lists_the_known_ones():
@@ -231,3 +293,30 @@ def test_a_collective_with_two_waits_names_the_node():
     graph.erase_node(second)
     graph.output(first)
     assert wait_of(gather) is first
+
+
+def test_sharding_the_root_after_a_submodule_names_buckets():
+    """FSDP2's habit (one call per block, then the root) is refused naming the submodule and
+    ``buckets=``, not taken for a tensor-parallel model."""
+    from graph_utils import TwoBlock
+
+    with fake_process_group(2):
+        model = TwoBlock()
+        graphshard.shard(model.blocks[0])
+        with pytest.raises(graphshard.GraphshardError) as error:
+            graphshard.shard(model)
+    message = str(error.value)
+    assert "blocks.0 (Block)" in message and "already sharded" in message
+    assert "buckets=[model.blocks[0], ...]" in message
+    assert "tensor parallelism" not in message
+    assert not graphshard.api.sharding.is_sharded(model)
+
+
+def test_sharding_a_submodule_after_the_root_names_buckets():
+    from graph_utils import TwoBlock
+
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        with pytest.raises(graphshard.GraphshardError,
+                           match=r"Block is part of a model already sharded.*buckets=\["):
+            graphshard.shard(model.blocks[1])

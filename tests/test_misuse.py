@@ -57,3 +57,46 @@ def test_frozen_plain_parameters_and_world_1_compile():
         model = TwoBlock()
         _compile_step(model)
         assert all(p.grad is not None for p in model.parameters())
+
+
+class ClampsInForward(nn.Module):
+    """Updates a parameter in place inside forward (the gathered copy, under graphshard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.clamp_(-0.05, 0.05)
+        return self.b(self.a(x))
+
+
+def test_an_in_place_update_of_a_parameter_inside_forward_is_refused_compiled():
+    with fake_process_group(2):
+        model = graphshard.shard(ClampsInForward())
+        with pytest.raises(Exception) as error:
+            _compile_step(model)
+    message = str(_raised(error, ShardedModelError))
+    assert "In-place clamp_ on parameter 'a.weight' inside forward" in message
+    assert "self.a.weight.clamp_(-0.05, 0.05)" in message  # the user's line
+    assert "outside forward" in message
+    assert "model.a.weight.clamp_(...)" in message
+
+
+def test_an_in_place_update_of_a_parameter_inside_forward_is_refused_eagerly():
+    with fake_process_group(2):
+        model = graphshard.shard(ClampsInForward())
+        with pytest.raises(ShardedModelError, match="on parameter 'a.weight' inside forward"):
+            model(torch.randn(4, 8))  # caught at the next read, before the update is used
+
+
+def test_updating_the_sharded_parameter_outside_forward_is_fine():
+    with fake_process_group(2):
+        model = graphshard.shard(ClampsInForward())
+        model.forward = lambda x: model.b(model.a(x))  # no update inside forward
+        with torch.no_grad():
+            model.a.weight.clamp_(-0.05, 0.05)  # the sharded DTensor itself
+        _compile_step(model)
+        model(torch.randn(4, 8)).sum().backward()

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.sharding import shard_state
 from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.layout import Dim0Layout
@@ -116,6 +117,7 @@ def _arm_held_back(state: ShardState):
     """Before each forward, arm what no_sync held back for the first read of each parameter
     (re-armed every forward: a forward without a backward loses nothing)."""
 
+    @mark_forward_hook
     def hook(module: nn.Module, args: tuple) -> None:
         synced = state.sync == GradSync.FULL
         for entry in state.params:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.errors import GraphshardTypeError
 
 __all__ = ["MixedPrecision"]
@@ -69,6 +70,7 @@ def install_casts(module: nn.Module, policy: MixedPrecision) -> None:
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         dtype = policy.param_dtype
 
+        @mark_forward_hook
         def cast_inputs(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
 
@@ -76,6 +78,7 @@ def install_casts(module: nn.Module, policy: MixedPrecision) -> None:
     if policy.output_dtype is not None:
         out_dtype = policy.output_dtype
 
+        @mark_forward_hook
         def cast_outputs(mod: nn.Module, args: tuple, output: Any) -> Any:
             return _cast_floats(output, out_dtype)
 

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
+from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -50,6 +51,7 @@ from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
+from graphshard.safety.mutation import end_eager_reads, note_eager_read
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
@@ -110,6 +112,7 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def _enter_forward(state: ShardState):
+    @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
         state.forward_depth += 1
 
@@ -117,8 +120,11 @@ def _enter_forward(state: ShardState):
 
 
 def _exit_forward(state: ShardState):
+    @mark_forward_hook
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         state.forward_depth -= 1
+        if state.forward_depth == 0 and state.eager_reads:
+            end_eager_reads(state)
 
     return hook
 
@@ -148,9 +154,19 @@ def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
     if buckets is None:
         blocks = _main_block_list(module)
         return [] if blocks is None else [[child] for child in blocks]
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable) or (
+        isinstance(buckets, nn.Module) and not isinstance(buckets, (nn.ModuleList, nn.Sequential))
+    ):
+        raise GraphshardTypeError(
+            f"graphshard.shard() option buckets must be None or a list of groups (a module or "
+            f"a list of modules each), got {type(buckets).__name__}; for one group pass "
+            f"buckets=[[module, ...]]"
+        )
     groups = []
     for group in buckets:
-        members = [group] if isinstance(group, nn.Module) else list(group)
+        members = [group] if isinstance(group, nn.Module) else (
+            list(group) if isinstance(group, Iterable) and not isinstance(group, str) else [group]
+        )
         for m in members:
             if not isinstance(m, nn.Module):
                 raise GraphshardTypeError(
@@ -224,12 +240,13 @@ def sharded_parameter(
     full: torch.Tensor, mesh: DeviceMesh, rank: int, offload: CPUOffload | None = None
 ) -> nn.Parameter:
     """``full`` as a Parameter wrapping a DTensor whose local tensor is ``rank``'s rows: a
-    copy where ``full`` lives, or with ``offload`` a host copy (pinned if asked; a meta
-    ``full`` stays meta until ``to_empty``)."""
+    contiguous copy where ``full`` lives (as FSDP2 stores shards: a transposed parameter's
+    rows are copied into row-major order), or with ``offload`` a host copy (pinned if asked;
+    a meta ``full`` stays meta until ``to_empty``)."""
     layout = Dim0Layout(full.shape, mesh.size(mesh.ndim - 1))
     local = layout.local(full.detach(), rank)
     if offload is None or local.is_meta:
-        local = local.clone()
+        local = local.clone(memory_format=torch.contiguous_format)
     else:
         local = local.to("cpu", copy=True).contiguous()
         if offload.pin_memory and not is_fake(local):  # a fake tensor has no memory to pin
@@ -295,13 +312,80 @@ def _sharded_class(cls: type, names: Iterable[str]) -> type:
             param = self._parameters[pname]
             if not reads_gather(state):
                 return param
-            return read_param(param.to_local(), entry, spec, state.sync)
+            full = read_param(param.to_local(), entry, spec, state.sync)
+            if state.forward_depth > 0 and not torch.compiler.is_compiling():
+                note_eager_read(state, full, entry.names[0])
+            return full
 
         return property(get)
 
     attrs = {name: make_property(name) for name in names}
     attrs["_graphshard_original_class"] = cls
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
+
+
+def _check_shard_options(module: object, mesh: object, reshard_after_forward: object) -> None:
+    """The types of :func:`shard`'s arguments, before anything is changed."""
+    if not isinstance(module, nn.Module):
+        raise GraphshardTypeError(
+            f"graphshard.shard() takes an nn.Module, got {type(module).__name__}"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise GraphshardTypeError(
+            f"graphshard.shard() option mesh must be a DeviceMesh (1-D, or 2-D (replicate, "
+            f"shard) for HSDP) or None for the default process group, got {mesh!r} "
+            f"({type(mesh).__name__})"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise GraphshardTypeError(
+            f"graphshard.shard() option reshard_after_forward must be True (free the gathered "
+            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), got "
+            f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
+        )
+
+
+def _refuse_complex_parameters(module: nn.Module) -> None:
+    """Complex parameters cannot travel: gloo's all-to-all (the reduce-scatter on gloo) and
+    the flat bucket buffers are real-valued. Refused before anything is replaced."""
+    bad = [(n, p.dtype) for n, p in module.named_parameters() if p.is_complex()]
+    if bad:
+        listed = ", ".join(f"'{n}' ({str(d).removeprefix('torch.')})" for n, d in bad)
+        raise GraphshardNotImplementedError(
+            f"graphshard.shard() does not shard complex parameters: {listed}. Its collectives "
+            f"move real-valued buffers (gloo's all-to-all refuses complex ones). Store the "
+            f"parameter as its real view instead, nn.Parameter(torch.view_as_real(w)) (shape "
+            f"(..., 2)), and use torch.view_as_complex(self.w) in forward; it then shards, "
+            f"trains and checkpoints like any real parameter."
+        )
+
+
+def _refuse_sharded_submodules(module: nn.Module) -> None:
+    """Refuse sharding a model whose submodule was sharded by an earlier call (FSDP2's one
+    ``fully_shard`` per block; otherwise met as a tensor-parallel DTensor model), or a
+    submodule of a sharded model, naming ``buckets=`` instead."""
+    inner = [
+        (name, sub) for name, sub in module.named_modules() if name and is_sharded(sub)
+    ]
+    if not inner:
+        if any("_graphshard_root_state" in sub.__dict__ for sub in module.modules()):
+            raise GraphshardRuntimeError(
+                f"This {type(module).__name__} is part of a model already sharded by "
+                f"graphshard.shard(): graphshard shards a model once, on its root. To gather this "
+                f"submodule as a group of its own, build the model again and pass it as a bucket: "
+                f"graphshard.shard(model, buckets=[model.<this submodule>, ...])."
+            )
+        return
+    names = ", ".join(f"{name} ({type(sub).__name__})" for name, sub in inner)
+    first = inner[0][0]
+    attr = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in first.split("."))
+    raise GraphshardRuntimeError(
+        f"Submodule(s) {names} of this {type(module).__name__} were already sharded by an "
+        f"earlier graphshard.shard() call. graphshard shards a model once, on its root: the "
+        f"groups FSDP2 makes with one fully_shard() per block are buckets here. Build the "
+        f"model again (the sharded submodule's parameters were replaced) and call "
+        f"graphshard.shard(model, buckets=[model{attr}, ...]) once; with buckets=None each "
+        f"block of the main ModuleList is a bucket already."
+    )
 
 
 def shard(
@@ -345,12 +429,28 @@ def shard(
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
+        Each local shard is stored contiguous (a transposed parameter's rows are copied
+        into row-major order), as FSDP2 stores them.
+
+    Raises:
+        GraphshardTypeError: an argument of the wrong type (``reshard_after_forward="no"``,
+            a mesh that is not a ``DeviceMesh``, ``buckets`` that is not a list of groups).
+        GraphshardRuntimeError: ``module`` (or a submodule of it, or a model it is part of)
+            was sharded already: shard once, on the root, and name groups with ``buckets=``.
+        GraphshardNotImplementedError: a complex parameter (store its
+            ``torch.view_as_real`` form instead).
+
+    Methods other than ``forward`` that compute with the parameters (``model.encode(x)``)
+    must be registered with :func:`graphshard.register_forward_method`.
     """
     if is_sharded(module):
         raise GraphshardRuntimeError(
             f"{type(module).__name__} is already sharded: call graphshard.shard() once per "
             "model, on the root module."
         )
+    _check_shard_options(module, mesh, reshard_after_forward)
+    _refuse_sharded_submodules(module)
+    _refuse_complex_parameters(module)
     tp_mesh = tp_mesh_of(module, mesh)  # None without tensor parallelism; checks the order
     if tp_mesh is not None and offload is not None:
         raise GraphshardNotImplementedError(

@@ -9,6 +9,7 @@ inference graph before Inductor. A graph that follows a graph break warns with i
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -29,6 +30,7 @@ from graphshard.errors import GraphshardTypeError
 from graphshard.passes import Plan
 from graphshard.safety.fingerprint import check_compile_plan
 from graphshard.safety.guards import refuse_unsharded_parameters
+from graphshard.safety.mutation import refuse_gathered_parameter_mutation
 
 __all__ = ["backend", "GraphshardBackend"]
 
@@ -77,6 +79,11 @@ class GraphshardBackend:
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
             ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
             ``reduce_scatter_via``).
+
+    Raises:
+        GraphshardTypeError: an unknown option, or an option of the wrong type (a str for
+            ``prefetch_depth``, ``"no"`` for a bool); checked here, before any compile.
+        GraphshardValueError: an option's value is out of range (``prefetch_depth=-1``).
     """
 
     def __init__(
@@ -87,6 +94,17 @@ class GraphshardBackend:
             known = ", ".join(["dump_dir", "inductor", *(f.name for f in fields(Plan))])
             raise GraphshardTypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
                             f"known: {known}")
+        if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
+            raise GraphshardTypeError(
+                f"graphshard backend option dump_dir must be a directory path (a str or "
+                f"os.PathLike) or None, got {dump_dir!r} ({type(dump_dir).__name__})"
+            )
+        if not isinstance(inductor, bool):
+            raise GraphshardTypeError(
+                f"graphshard backend option inductor must be True (compile with Inductor) or "
+                f"False (run the transformed graphs op by op), got {inductor!r} "
+                f"({type(inductor).__name__})"
+            )
         self.dump_dir = dump_dir
         self.inductor = inductor
         self.plan = Plan(**plan_options)
@@ -100,6 +118,7 @@ class GraphshardBackend:
         refuse_unsharded_parameters(example_inputs, dist.get_world_size() if initialised else 1)
         dumper = GraphDumper(self.dump_dir or dump_dir_from_env(), next(_graph_ids), rank)
         plan = self.plan
+        refuse_gathered_parameter_mutation(gm)  # an update of a gathered copy would be lost
         check_compile_plan(gm, plan)  # same plan on every rank, before any collective runs
         stages: dict[str, fx.GraphModule] = {}
         self.graphs.append(stages)
