@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -56,6 +57,8 @@ from graphshard.errors import (
     GraphshardValueError,
 )
 from graphshard.records import ShardState
+from graphshard.state import ckpt_integrity as integrity
+from graphshard.state.ckpt_integrity import COMMIT_MARKER
 
 __all__ = [
     "save_checkpoint",
@@ -66,12 +69,11 @@ __all__ = [
     "COMMIT_MARKER",
 ]
 
-COMMIT_MARKER = "COMMITTED"
 META_FILE = "graphshard.pt"
-FORMAT = 2
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_OLD_DIR = re.compile(r"^\.old-step_(\d+)$")
+FORMAT = 3  # 3: per-rank buffers, optimizer type, commit counter and checksums
+_STEP_DIR = integrity._STEP_DIR
 _MODEL, _OPTIM = "model/", "optim/"
+_RANK_BUFFERS = "rank_buffers/{}/"  # + buffer name: each rank's own copy of a buffer
 
 
 @dataclass(frozen=True)
@@ -109,21 +111,13 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The complete checkpoint (``step_N`` holding the commit marker) of the highest step
-    under ``directory``, or None. Interrupted saves (``.tmp-*``) are ignored."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    found: dict[int, Path] = {}
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMMIT_MARKER).is_file():
-            found[int(match.group(1))] = child
-    for child in root.iterdir():  # a replaced step whose replacement did not land
-        match = _OLD_DIR.match(child.name)
-        if match and int(match.group(1)) not in found and (child / COMMIT_MARKER).is_file():
-            found[int(match.group(1))] = child
-    return found[max(found)] if found else None
+    """The latest committed checkpoint under ``directory`` (a ``step_N`` holding the commit
+    marker), or None. Latest in commit order (the marker's commit counter), not by step
+    number: after a roll-back, the checkpoint saved last wins. Interrupted saves (``.tmp-*``)
+    are ignored. Local: it reads this rank's view of the file system (``load_checkpoint``
+    has rank 0 decide for every rank)."""
+    found = integrity.committed(Path(directory))
+    return found[-1] if found else None
 
 
 def root_module(module: nn.Module) -> nn.Module:
@@ -131,18 +125,36 @@ def root_module(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
-def _flat_state(module: nn.Module, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def _optimizer_type(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _flat_state(module: nn.Module, optimizer, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The DCP state dict (``model/<name>``, ``optim/<name>/<key>``) from torch's
     ``get_model_state_dict`` / ``get_optimizer_state_dict``, and the metadata that goes into
-    ``graphshard.pt`` (param groups, which optimizer entries are tensors)."""
+    ``graphshard.pt`` (param groups, which optimizer entries are tensors).
+
+    A plain (not DTensor) tensor, i.e. a buffer such as BatchNorm's running stats, may
+    differ between ranks: each rank saves its own as ``rank_buffers/<rank>/<name>``, and
+    rank 0's is also ``model/<name>`` (what a load at another world size, or a plain
+    ``dcp.load``, reads)."""
     root = root_module(module)
-    flat: dict[str, Any] = {
-        _MODEL + k: v for k, v in get_model_state_dict(root).items()
-        if isinstance(v, torch.Tensor)
-    }  # fmt: skip
-    meta: dict[str, Any] = {"optimizer": optimizer is not None}
+    flat: dict[str, Any] = {}
+    buffers: list[str] = []
+    for k, v in get_model_state_dict(root).items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if isinstance(v, DTensor):
+            flat[_MODEL + k] = v
+            continue
+        buffers.append(k)
+        flat[_RANK_BUFFERS.format(rank) + k] = v
+        if rank == 0:
+            flat[_MODEL + k] = v
+    meta: dict[str, Any] = {"optimizer": optimizer is not None, "rank_buffers": buffers}
     if optimizer is not None:
         _check_optimizer_params(root, optimizer)
+        meta["optimizer_type"] = _optimizer_type(optimizer)
         osd = get_optimizer_state_dict(root, optimizer)
         layout: dict[str, str] = {}
         objects: dict[str, Any] = {}
@@ -168,54 +180,102 @@ def save_checkpoint(
     extra: Any = None,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
+    arrival_timeout_s: float | None = 60.0,
 ) -> Path:
     """Save a sharded checkpoint of ``module`` (and ``optimizer``) as ``directory/step_N``.
 
-    A collective: every rank calls it; each rank writes only its own shard rows (DCP).
-    The checkpoint becomes visible atomically (temporary directory, commit marker written
-    last, rename), so an interrupted save never damages earlier checkpoints.
+    A collective: every rank calls it, with the same ``directory`` and ``step``; each rank
+    writes only its own shard rows (DCP), and its own copy of each buffer. The checkpoint
+    becomes visible atomically (temporary directory, commit marker written last, rename), so
+    an interrupted save never damages earlier checkpoints; saving an existing step again
+    replaces it atomically. An error on any rank, at any stage, is raised on every rank.
 
     Args:
         directory: the checkpoint root, on a file system every rank sees.
         module: the sharded model (or its compiled wrapper).
         optimizer: an optimizer built on ``module.parameters()`` after sharding, or None.
-        step: the training step this state is after; names the checkpoint (``step_N``).
-        extra: any picklable object saved from rank 0 (LR scheduler state, data position).
-        keep_last: after the commit, delete all but the newest ``keep_last`` checkpoints.
+        step: the training step this state is after (an int >= 0); names the checkpoint
+            (``step_N``).
+        extra: saved from rank 0; only what ``torch.load(weights_only=True)`` reads
+            (tensors, dicts, lists, tuples, str, int, float, bool, None: an LR scheduler's
+            ``state_dict()``, a data position). Anything else is refused.
+        keep_last: after the commit, delete all but the ``keep_last`` most recently
+            committed checkpoints (never the one just written).
         process_group: the ranks that save together (default: the default group).
+        arrival_timeout_s: with gloo, every rank must enter the save within this many
+            seconds of the others, else every rank that did raises (a rank calling it alone
+            fails fast instead of waiting the process-group timeout). None: no such check.
 
     Returns:
         The committed checkpoint's path.
     """
-    if keep_last is not None and keep_last < 1:
-        raise GraphshardValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    _refuse_held_back_gradients(module)
+    rank, world = integrity._world(process_group)
+    integrity.check_arrival(process_group, arrival_timeout_s, "save_checkpoint")
+    # 1. every rank's own checks and state; rank 0 serialises graphshard.pt. No writes yet.
+    error: Exception | None = None
+    key: Any = None
+    flat: dict[str, Any] = {}
+    meta_bytes = b""
+    try:
+        key = (os.path.normpath(os.fspath(directory)), step)
+        _check_step(step)
+        if keep_last is not None and (isinstance(keep_last, bool) or
+                                      not isinstance(keep_last, int) or keep_last < 1):
+            raise GraphshardValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        _refuse_held_back_gradients(module)
+        flat, meta = _flat_state(module, optimizer, rank)
+        if rank == 0:
+            meta_bytes = integrity.serialize_meta(
+                {**meta, "format": FORMAT, "step": step, "extra": extra, "world_size": world})
+    except Exception as exc:
+        error = exc
+    keys = integrity.agree(error, process_group, "Preparing the checkpoint", key)
+    if any(k != keys[0] for k in keys):
+        raise GraphshardValueError(
+            "save_checkpoint needs the same directory and step on every rank; got "
+            + "; ".join(f"rank {r}: directory {d!r}, step {s!r}" for r, (d, s) in enumerate(keys))
+        )
     root = Path(directory)
     final = root / _step_name(step)
     tmp = root / f".tmp-{final.name}"
-    is_coordinator = dist.get_rank(process_group) == 0
-    flat, meta = _flat_state(module, optimizer)
-    if is_coordinator:
-        shutil.rmtree(tmp, ignore_errors=True)  # a stale, interrupted save of this step
-        tmp.mkdir(parents=True)
-    dist.barrier(group=process_group)
+    # 2. rank 0 makes the temporary directory
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a stale, interrupted save of this step
+            tmp.mkdir(parents=True)
+        except Exception as exc:
+            error = exc
+    integrity.agree(error, process_group, f"Creating {tmp}")
+    # 3. every rank writes its rows (DCP), then checksums the files it wrote
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(flat, checkpoint_id=str(tmp), process_group=process_group)
-    error: list[Any] = [None]
-    if is_coordinator:
+    error, sums = None, {}
+    writer = integrity.RecordingWriter(str(tmp))
+    try:
+        dcp.save(flat, storage_writer=writer, process_group=process_group)
+        sums = {name: list(integrity.file_crc32(tmp / name)) for name in writer.written}
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        error = exc
+    gathered = integrity.agree(error, process_group, f"Writing {tmp}", sums)
+    # 4. rank 0 commits (and prunes); every rank learns whether that worked
+    error = None
+    if rank == 0:
         try:
-            _commit(root, tmp, final, step, meta, extra, dist.get_world_size(process_group))
+            files = {k: v for per_rank in gathered for k, v in per_rank.items()}
+            _commit(root, tmp, final, step, meta_bytes, files, world)
             if keep_last is not None:
-                _prune(root, keep_last)
-        except Exception as exc:  # every rank must learn that the commit failed
-            error = [f"{type(exc).__name__}: {exc}"]
-    dist.broadcast_object_list(error, src=dist.get_global_rank(process_group or
-                                                               dist.group.WORLD, 0),
-                               group=process_group)
-    if error[0] is not None:
-        raise GraphshardRuntimeError(f"Committing checkpoint {final} failed on rank 0: {error[0]}")
+                _prune(root, keep_last, final)
+        except Exception as exc:
+            error = exc
+    integrity.agree(error, process_group, f"Committing checkpoint {final}")
     return final
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise GraphshardValueError(
+            f"step must be an int >= 0 (it names the checkpoint step_N), got {step!r}")
 
 
 def _refuse_held_back_gradients(module: nn.Module) -> None:
@@ -231,15 +291,18 @@ def _refuse_held_back_gradients(module: nn.Module) -> None:
         )
 
 
-def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict, extra: Any,
-            world_size: int) -> None:
-    meta = {**meta, "format": FORMAT, "step": step, "extra": extra, "world_size": world_size}
-    with open(tmp / META_FILE, "wb") as f:
-        torch.save(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    marker = {"step": step, "world_size": world_size, "time": time.time()}
-    _write_durable(tmp / COMMIT_MARKER, json.dumps(marker).encode())
+def _commit(root: Path, tmp: Path, final: Path, step: int, meta_bytes: bytes,
+            files: dict[str, list[int]], world_size: int) -> None:
+    """Write ``graphshard.pt`` and the commit marker (commit counter, checksum of every
+    file), then rename ``tmp`` to ``final`` (replacing an earlier save of the same step)."""
+    _write_durable(tmp / META_FILE, meta_bytes)
+    files = {**files, META_FILE: [zlib.crc32(meta_bytes), len(meta_bytes)]}
+    for child in tmp.iterdir():  # DCP's .metadata, and anything no rank reported
+        if child.is_file() and child.name not in files:
+            files[child.name] = list(integrity.file_crc32(child))
+    marker = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
+              "seq": integrity.next_seq(root), "checksum": "crc32", "files": files}
+    _write_durable(tmp / COMMIT_MARKER, json.dumps(marker, sort_keys=True).encode())
     _fsync_dir(tmp)
     old = root / f".old-{final.name}"
     if final.exists():  # saving the same step again: keep the old one until the new lands
@@ -250,14 +313,13 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict, extra: An
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(
-        (int(m.group(1)), child)
-        for child in root.iterdir()
-        if (m := _STEP_DIR.match(child.name)) and (child / COMMIT_MARKER).is_file()
-    )
-    for _, path in steps[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+def _prune(root: Path, keep_last: int, just_written: Path) -> None:
+    """Delete all but the ``keep_last`` most recently committed ``step_N`` (commit order),
+    never ``just_written``."""
+    found = [p for p in integrity.committed(root) if _STEP_DIR.match(p.name)]
+    for path in found[:-keep_last]:
+        if path != just_written:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _resolve(path: Path) -> Path:
@@ -388,6 +450,7 @@ def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -
     state = shard_state(root)
     _check_param_groups(_param_fqns(state, optimizer),
                         [g["params"] for g in meta["param_groups"]], hint)
+    _check_optimizer_kind(optimizer, meta, path)
     full_shape = {e.names[0]: tuple(e.param.shape) for e in state.params}  # global (TP too)
     bad = []
     for key, kind in meta["layout"].items():
@@ -404,6 +467,26 @@ def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -
             "The checkpoint's optimizer state does not fit the model:\n  "
             + "\n  ".join(bad[:20]) + f"\n{hint}"
         )
+
+
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer, meta: dict, path: Path) -> None:
+    """The same optimizer class, and the same hyper-parameter keys in every param group,
+    as when saving (AdamW state in an SGD would fail at its first step)."""
+    saved_type, live_type = meta.get("optimizer_type"), _optimizer_type(optimizer)
+    if saved_type is not None and saved_type != live_type:
+        raise CheckpointMismatchError(
+            f"The checkpoint {path} holds the state of a {saved_type}, the optimizer is a "
+            f"{live_type}: load it into the same optimizer type, or with optimizer=None "
+            "(and start the optimizer fresh)."
+        )
+    for i, saved in enumerate(meta["param_groups"]):
+        missing = sorted(set(optimizer.defaults) - set(saved))
+        if missing:  # extra saved keys are fine (an LR scheduler adds "initial_lr")
+            raise CheckpointMismatchError(
+                f"The checkpoint {path}'s param_groups[{i}] lacks the key(s) {missing} that "
+                f"the optimizer ({live_type}) needs: it was saved from another optimizer "
+                f"type ({saved_type or 'not recorded'})."
+            )
 
 
 # Optimizer entry kinds in ``graphshard.pt``: laid out like the parameter (a DTensor), a plain
@@ -427,40 +510,56 @@ def load_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
 ) -> CheckpointInfo:
-    """Load the latest complete checkpoint under ``directory`` (or ``directory`` itself when
-    it is one ``step_N``) into ``module`` and ``optimizer``, at any world size.
+    """Load the latest committed checkpoint under ``directory`` (or ``directory`` itself
+    when it is one ``step_N``) into ``module`` and ``optimizer``, at any world size.
 
-    A collective: every rank calls it. Keys and shapes are checked against DCP's metadata
-    first; a mismatch raises :class:`CheckpointMismatchError` naming them, with the model
-    and optimizer untouched. Tensors are read into fresh buffers and copied into the model
-    only once every read succeeded.
+    A collective: every rank calls it. Rank 0 decides which checkpoint; a rank that does not
+    see that same committed checkpoint makes every rank raise, naming both. Before anything
+    is written, the ranks verify the checksum of every file of the checkpoint (each rank a
+    share of the files) and check every key and shape against DCP's metadata, the optimizer
+    type and param groups; a mismatch raises :class:`CheckpointMismatchError` naming them,
+    with the model and optimizer untouched, on every rank. Tensors are read into fresh
+    buffers and copied into the model only once every read succeeded.
+
+    Buffers (plain tensors such as BatchNorm's running stats): at the world size the
+    checkpoint was saved at, each rank gets its own saved copy back; at another world size,
+    every rank gets rank 0's.
 
     Returns:
         :class:`CheckpointInfo`: the path, step, ``extra`` and the world size it was saved at.
     """
     import torch.distributed.checkpoint as dcp
 
-    path = _resolve(Path(directory))
+    rank, world = integrity._world(process_group)
+    path = _agree_on_checkpoint(Path(directory), process_group)
     root = root_module(module)
-    state = shard_state(root)
-    meta = torch.load(path / META_FILE, weights_only=False)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    _validate(root, optimizer, saved, meta, path)
-
-    live = {k: v for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
-    targets: dict[str, Any] = {
-        _MODEL + name: torch.empty_like(value, dtype=saved[_MODEL + name].properties.dtype)
-        for name, value in live.items()
-    }  # fmt: skip
-    if optimizer is not None:
-        param_of = {e.names[0]: e.param for e in state.params}
-        for key, kind in meta["layout"].items():
-            if kind != "object":
-                fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
-                targets[key] = _empty_like_saved(saved[key], kind, param_of[fqn])
+    error: Exception | None = None
+    try:
+        marker = integrity.read_marker(path)
+        files = marker.get("files")
+        meta_bytes = (path / META_FILE).read_bytes()
+        if files is not None:
+            integrity.verify_file(path / META_FILE, files[META_FILE], meta_bytes)
+            integrity.verify_files(path, {k: v for k, v in files.items() if k != META_FILE},
+                                   rank, world)
+        meta = integrity.load_meta(meta_bytes)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        _validate(root, optimizer, saved, meta, path)
+        own_buffers = meta.get("world_size") == world and "rank_buffers" in meta
+        buffer_key = {name: (_RANK_BUFFERS.format(rank) if own_buffers else _MODEL) + name
+                      for name in meta.get("rank_buffers", ())}
+        missing = [k for k in buffer_key.values() if k not in saved]
+        if missing:
+            raise CheckpointMismatchError(f"The checkpoint {path} lacks {missing[:10]}.")
+        targets = _targets(root, optimizer, saved, meta, buffer_key)
+    except Exception as exc:
+        error = exc
+    integrity.agree(error, process_group, f"Checking checkpoint {path}")
     dcp.load(targets, checkpoint_id=str(path), process_group=process_group)
 
-    set_model_state_dict(root, {name: targets[_MODEL + name] for name in live})
+    live = [k for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)]
+    set_model_state_dict(root, {name: targets[buffer_key.get(name, _MODEL + name)]
+                                for name in live})
     if optimizer is not None:
         osd_state: dict[str, dict[str, Any]] = {}
         for key, kind in meta["layout"].items():
@@ -471,3 +570,48 @@ def load_checkpoint(
             root, optimizer, {"state": osd_state, "param_groups": meta["param_groups"]}
         )
     return CheckpointInfo(path, int(meta["step"]), meta.get("extra"), int(meta["world_size"]))
+
+
+def _targets(root: nn.Module, optimizer, saved: dict, meta: dict,
+             buffer_key: dict[str, str]) -> dict[str, Any]:
+    """Fresh tensors, laid out like the model's (and optimizer's), for DCP to read into."""
+    live = {k: v for k, v in root.state_dict().items() if isinstance(v, torch.Tensor)}
+    targets: dict[str, Any] = {}
+    for name, value in live.items():
+        key = buffer_key.get(name, _MODEL + name)
+        targets[key] = torch.empty_like(value, dtype=saved[key].properties.dtype)
+    if optimizer is not None:
+        param_of = {e.names[0]: e.param for e in shard_state(root).params}
+        for key, kind in meta["layout"].items():
+            if kind != "object":
+                fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
+                targets[key] = _empty_like_saved(saved[key], kind, param_of[fqn])
+    return targets
+
+
+def _agree_on_checkpoint(directory: Path, group: dist.ProcessGroup | None) -> Path:
+    """The checkpoint every rank loads: rank 0's choice, found committed (same marker) in
+    every rank's view of the file system; else every rank raises, naming what each sees."""
+    error: Exception | None = None
+    mine: Path | None = None
+    seen: dict[str, Path] = {}
+    try:
+        mine = _resolve(directory)
+        candidates = [mine] if mine.parent != directory else integrity.committed(directory)
+        seen = {integrity.identity(p): p for p in candidates + [mine]}
+    except Exception as exc:
+        error = exc
+    payload = (None if mine is None else integrity.identity(mine), sorted(seen))
+    views = integrity.agree(error, group, f"Finding the checkpoint in {directory}", payload)
+    chosen = views[0][0]
+    blind = [(r, own) for r, (own, ids) in enumerate(views) if chosen not in ids]
+    if blind:
+        raise GraphshardRuntimeError(
+            f"Ranks see different checkpoints in {directory} (a stale shared file-system "
+            f"view?): rank 0 chose {chosen}, which rank(s) "
+            f"{[r for r, _ in blind]} do not see committed; "
+            + "; ".join(f"rank {r} sees {own} as the latest" for r, own in blind)
+            + ". Wait until every rank sees the same files, or pass a step_N directory "
+            "every rank sees."
+        )
+    return seen[chosen]
