@@ -1,0 +1,319 @@
+"""The CUDA tier's cases, each a function of a :class:`~gpu_harness.World` (and a mode,
+"eager" or "compiled"): it builds and shards the model, trains it ``STEPS`` steps and
+checks the losses and parameters against one process (``gpu_harness.reference``).
+
+``tests/gpu/test_gpu_*.py`` run them on the GPU, at NCCL world 1 and in the CUDA fake world
+of 8; ``tests/test_gpu_tier_cpu.py`` runs most of them eagerly on the CPU (gloo world 1 and
+the CPU fake world), which proves the cases and their references right where no GPU is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from gpu_harness import (
+    INIT_SEED,
+    OFFLOAD,
+    STEPS,
+    TINY,
+    Job,
+    Outcome,
+    World,
+    check,
+    llama_job,
+    local,
+    make_optimizer,
+    peak_memory,
+    reference,
+    shard_job,
+    snapshot,
+    train,
+    warm_up,
+)
+from torch import nn
+
+import graphshard
+from graphshard.api import step_prefetch
+from graphshard.models.llama import Llama, tensor_parallel_plan
+
+
+def _what(world: World, mode: str, *parts: str) -> str:
+    return " ".join((world.name, mode, *parts))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def case_precision(world: World, mode: str, precision: str) -> None:
+    """fp32, or ``graphshard.MixedPrecision`` bf16 (fp32 reductions) or fp16 (fp16
+    reductions, divided before the sum)."""
+    job = llama_job()
+    out = train(world, shard_job(world, job, precision), job, mode)
+    ref = reference(job, world.device, precision=precision, shapes=out.local_shapes)
+    check(out, ref, precision, _what(world, mode, precision))
+
+
+def case_no_sync(world: World, mode: str, micro: int = 2) -> None:
+    """``micro`` micro-batches per step, all but the last under ``graphshard.no_sync``: one
+    reduction of the summed gradients per step."""
+    job = llama_job()
+    out = train(world, shard_job(world, job), job, mode, micro=micro)
+    ref = reference(job, world.device, micro=micro, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, "no_sync"))
+
+
+def case_hsdp(world: World, mode: str, replicas: int = 2) -> None:
+    """HSDP: a (replicate, shard) mesh, ``replicas`` x world / replicas."""
+    mesh = world.mesh((replicas, world.size // replicas), ("replicate", "shard"))
+    job = llama_job()
+    out = train(world, shard_job(world, job, mesh=mesh), job, mode)
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, f"hsdp {replicas}x{world.size // replicas}"))
+
+
+def case_tensor_parallel(world: World, mode: str, tp: int = 2) -> None:
+    """torch's ``parallelize_module`` with the Llama's Megatron plan over tp, then
+    ``graphshard.shard`` over dp: a (dp, tp) mesh of world / tp x tp."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = world.mesh((world.size // tp, tp), ("dp", "tp"))
+    job = llama_job()
+    model = job.build().to(world.device)
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    graphshard.shard(model, mesh["dp"])
+    out = train(world, model, job, mode)
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, f"dp{world.size // tp} x tp{tp}"))
+
+
+def checkpointed_llama(cfg) -> Llama:
+    """The Llama with every block wrapped by torch's ``checkpoint_wrapper`` (non-reentrant
+    activation checkpointing: the backward recomputes each block's forward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Llama(cfg)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
+    return model
+
+
+def case_activation_checkpointing(world: World, mode: str) -> None:
+    """Every block checkpointed; the reference is the same checkpointed model unsharded
+    (recomputation does not change the numbers)."""
+    job = llama_job(cls=checkpointed_llama)
+    model = shard_job(world, job)
+    assert sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()) == TINY.n_layers
+    out = train(world, model, job, mode)
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, "activation checkpointing"))
+
+
+def case_step_prefetch(world: World) -> None:
+    """Backend option ``step_prefetch=True``: ``optimizer.step()`` gathers the next forward's
+    first buckets, which the forward takes (in a world of more than one rank)."""
+    job = llama_job()
+    step_prefetch.reset_stats()
+    out = train(world, shard_job(world, job), job, "compiled",
+                backend_options={"step_prefetch": True})
+    stats = step_prefetch.stats()
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, "compiled", "step_prefetch", str(stats)))
+    if world.size > 1:  # at world 1 there is no gather to prefetch
+        assert stats["split_steps"] == STEPS, stats
+        assert stats["taken"] > 0 and stats["stale"] == 0, stats
+
+
+# --------------------------------------------------------------------------- building, loading
+
+
+def _buffers_match(model: nn.Module, want: nn.Module, device: torch.device, what: str,
+                   rtol: float = 0.0) -> None:
+    """Every buffer of ``model`` on ``device``'s type and equal to ``want``'s (within
+    ``rtol``: a buffer computed on the GPU may differ from the CPU's in the last bit)."""
+    wrong = {n: str(b.device) for n, b in model.named_buffers() if b.device.type != device.type}
+    assert not wrong, (
+        f"{what}: buffers not on {device.type}: {wrong} (graphshard.shard onto a "
+        f"{device.type} mesh, CPU offload and to_empty(device='cpu') included, must leave "
+        "the buffers on the mesh's device: the forward computes there)"
+    )
+    expected = dict(want.named_buffers())
+    assert {n for n, _ in model.named_buffers()} == expected.keys(), what
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf.cpu(), expected[name].cpu(), rtol=rtol, atol=0,
+                                   msg=lambda m, n=name: f"{what} buffer {n}: {m}")
+
+
+def case_meta_init(world: World, mode: str, how: str) -> None:
+    """README's large-model flow: build on the meta device, shard (allocating nothing),
+    ``to_empty`` on the device, then ``how``: "init" (``init_weights(seed)``, the values the
+    unsharded model gets) or "broadcast" (rank 0's full state dict through
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    job = llama_job(init_seed=INIT_SEED if how == "init" else None)
+    with torch.device("meta"):
+        model = Llama(TINY)
+    graphshard.shard(model, world.mesh())
+    assert all(local(p).is_meta for p in model.parameters())
+    model.to_empty(device=world.device)
+    if how == "init":
+        model.init_weights(seed=INIT_SEED)
+    elif how == "broadcast":
+        full = job.build().state_dict()
+        set_model_state_dict(model, full if dist.get_rank() == 0 else {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        raise ValueError(f"how {how!r}: 'init' or 'broadcast'")
+    _buffers_match(model, job.build(), world.device, _what(world, mode, "meta", how))
+    out = train(world, model, job, mode)
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, "meta", how))
+
+
+def _optimizer_locals(state: dict) -> dict[str, torch.Tensor]:
+    return {f"{name}.{key}": local(value).detach().cpu()
+            for name, entry in state["state"].items() for key, value in entry.items()
+            if isinstance(value, torch.Tensor)}
+
+
+def case_dcp(world: World, mode: str, path: str) -> None:
+    """Train ``STEPS - 1`` steps, ``dcp.save`` the model's and the optimizer's state, load
+    it with ``dcp.load`` into a model and optimizer of other values (exactly), train the
+    last step there: the losses and parameters of ``STEPS`` uninterrupted steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    what = _what(world, mode, "dcp")
+    job = llama_job()
+    model = shard_job(world, job)
+    opt = make_optimizer(model)
+    first = train(world, model, job, mode, opt=opt, steps=range(STEPS - 1))
+    saved_opt = get_optimizer_state_dict(model, opt)
+    dcp.save({"model": model.state_dict(), "optim": saved_opt}, checkpoint_id=path)
+
+    fresh = shard_job(world, llama_job(init_seed=INIT_SEED))  # other values: the load replaces
+    fresh_opt = make_optimizer(fresh)
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    for name, value in snapshot(model).items():
+        torch.testing.assert_close(snapshot(fresh)[name], value, rtol=0, atol=0,
+                                   msg=lambda m, n=name: f"{what} loaded {n}: {m}")
+    want = _optimizer_locals(saved_opt)
+    got = _optimizer_locals(get_optimizer_state_dict(fresh, fresh_opt))
+    assert got.keys() == want.keys() and want, what
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0,
+                                   msg=lambda m, k=key: f"{what} optimizer {k}: {m}")
+
+    last = train(world, fresh, job, mode, opt=fresh_opt, steps=range(STEPS - 1, STEPS))
+    out = Outcome(first.losses + last.losses, first.initial, last.final, last.local_shapes)
+    check(out, reference(job, world.device, shapes=out.local_shapes), "fp32", what)
+
+
+def hf_job(path: str) -> Job:
+    """``AutoModelForCausalLM.from_pretrained(path)`` (a ``save_pretrained`` directory of
+    ``hf_jobs.save_random``) on ``hf_jobs``' token batches, with its own causal LM loss."""
+    import hf_jobs
+
+    def build() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path)
+
+    return Job(build, lambda step, micro: (hf_jobs.batch(step, micro),),
+               lambda model, batch: hf_jobs.loss_fn(model, batch[0]))
+
+
+def case_hf_llama(world: World, mode: str, path: str, way: str) -> None:
+    """README's Hugging Face flow: ``from_config`` on the meta device, shard, ``to_empty``
+    on the device, ``init_non_persistent_buffers``, ``load_safetensors`` (``way``:
+    "per_rank", each rank reads its rows; "rank0", rank 0 reads and broadcasts), against
+    ``from_pretrained`` in one process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    what = _what(world, mode, "hf llama", way)
+    job = hf_job(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    graphshard.shard(model, world.mesh())
+    model.to_empty(device=world.device)
+    graphshard.init_non_persistent_buffers(model)
+    graphshard.load_safetensors(model, path, broadcast_from_rank0=way == "rank0")
+    plain = job.build()
+    if plain.config.tie_word_embeddings:
+        assert (model.lm_head._parameters["weight"]
+                is model.model.embed_tokens._parameters["weight"]), what
+    # inv_freq is recomputed on the device by the model's own _init_weights
+    _buffers_match(model, plain, world.device, what, rtol=1e-6)
+    out = train(world, model, job, mode)
+    check(out, reference(job, world.device, shapes=out.local_shapes), "fp32", what)
+
+
+# --------------------------------------------------------------------------- CPU offload
+
+
+def _offloaded(world: World, recipe: str) -> nn.Module:
+    """The offload job's model sharded with ``CPUOffload`` on the world's (accelerator)
+    mesh. ``recipe`` "cpu": built on the CPU and sharded, nothing moved by hand; "meta":
+    built on the meta device, sharded, ``to_empty(device="cpu")``, ``init_weights``."""
+    offload = graphshard.CPUOffload()
+    if recipe == "cpu":
+        return graphshard.shard(offload_job().build(), world.mesh(), offload=offload)
+    if recipe == "meta":
+        with torch.device("meta"):
+            model = Llama(OFFLOAD)
+        graphshard.shard(model, world.mesh(), offload=offload)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=INIT_SEED)
+        return model
+    raise ValueError(f"recipe {recipe!r}: 'cpu' or 'meta'")
+
+
+def offload_job() -> Job:
+    """The bigger Llama (:data:`gpu_harness.OFFLOAD`), initialised by
+    ``init_weights(seed=INIT_SEED)`` (so a meta-built model gets the same values)."""
+    return llama_job(OFFLOAD, init_seed=INIT_SEED)
+
+
+def _grads_on_host(model: nn.Module) -> None:
+    wrong = {n: str(local(p.grad).device) for n, p in model.named_parameters()
+             if p.grad is None or local(p.grad).device.type != "cpu"}
+    assert not wrong, f"gradients not on the host after backward: {wrong}"
+
+
+def case_offload(world: World, mode: str, recipe: str) -> None:
+    """``CPUOffload`` (recipe: see :func:`_offloaded`) trains like one process and like the
+    run without offload, with the shards, gradients and optimizer state on the host and
+    the device's peak memory (``torch.cuda.max_memory_allocated``) below that run's by at
+    least half the model's fp32 bytes. Needs a CUDA world."""
+    what = _what(world, mode, "offload", recipe)
+    job = offload_job()
+    device = world.device
+    warm_up(device)
+    with peak_memory(device) as plain:
+        model = shard_job(world, job)
+        plain_out = train(world, model, job, mode)
+        del model
+    with peak_memory(device) as offloaded:
+        model = _offloaded(world, recipe)
+        shards = {n: local(p) for n, p in model.named_parameters()}
+        assert all(t.device.type == "cpu" for t in shards.values()), what
+        if recipe == "cpu":  # (to_empty gives the meta recipe's rows unpinned)
+            unpinned = [n for n, t in shards.items() if not t.is_pinned()]
+            assert not unpinned, f"{what}: host shards not pinned: {unpinned}"
+        _buffers_match(model, job.build(), device, what)
+        out = train(world, model, job, mode, after_backward=_grads_on_host)
+        del model, shards
+    ref = reference(job, device)
+    check(plain_out, ref, "fp32", _what(world, mode, "no offload"))
+    check(out, ref, "fp32", what)
+    model_bytes = sum(t.numel() * t.element_size() for t in ref.final.values())
+    assert offloaded["peak"] < plain["peak"] - model_bytes // 2, (
+        f"{what}: peak device memory {offloaded['peak'] / 2**20:.1f} MiB with offload, "
+        f"{plain['peak'] / 2**20:.1f} MiB without (model {model_bytes / 2**20:.1f} MiB)"
+    )

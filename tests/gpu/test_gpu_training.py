@@ -1,0 +1,27 @@
+"""CUDA, NCCL world 1: training against one process, eager and compiled: fp32, bf16 and
+fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing."""
+
+from __future__ import annotations
+
+import gpu_cases
+import pytest
+import torch
+from gpu_harness import MODES, PRECISIONS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_precision(nccl_world, precision, mode):
+    gpu_cases.case_precision(nccl_world, mode, precision)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_sync(nccl_world, mode):
+    gpu_cases.case_no_sync(nccl_world, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_checkpointing(nccl_world, mode):
+    gpu_cases.case_activation_checkpointing(nccl_world, mode)
