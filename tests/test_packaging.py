@@ -5,13 +5,18 @@ or run from a source checkout."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
+
+import graphshard
+from graphshard import _torch_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +99,61 @@ def test_the_wheel_holds_the_passes_under_graphshard(tmp_path):
     for package, folder in _package_folders().items():
         prefix = package.replace(".", "/")
         assert {f"{prefix}/{p.name}" for p in folder.glob("*.py")} <= names, package
+
+
+# --------------------------------------------------------------------------- the torch floor
+
+
+def test_the_torch_floor_in_pyproject_is_min_torch():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_dep,) = [d for d in deps if re.match(r"torch\b", d)]
+    match = re.fullmatch(r"torch\s*>=\s*(\d+)\.(\d+)", torch_dep)
+    assert match, f"expected 'torch>=X.Y' in pyproject.toml, found {torch_dep!r}"
+    assert (int(match[1]), int(match[2])) == graphshard.MIN_TORCH == (2, 11)
+
+
+@pytest.mark.parametrize("version, expected", [
+    ("2.11.0", (2, 11)), ("2.11.0+cu130", (2, 11)), ("2.14.1", (2, 14)),
+    ("2.12.0.dev20260101+cpu", (2, 12)), ("2.11.0a0+git1234567", (2, 11)), ("10.0", (10, 0)),
+])
+def test_torch_versions_read_as_major_minor(version, expected):
+    assert _torch_version._major_minor(version) == expected
+
+
+def test_an_older_torch_fails_the_check_naming_the_versions(monkeypatch):
+    _torch_version.check_torch_version()  # the torch running these tests is supported
+    for supported in [(2, 11), (2, 14), (3, 0)]:
+        monkeypatch.setattr(_torch_version, "installed_torch_version", lambda v=supported: v)
+        _torch_version.check_torch_version()
+    monkeypatch.setattr(_torch_version, "installed_torch_version", lambda: (2, 10))
+    with pytest.raises(ImportError, match=r"graphshard needs torch>=2\.11.*\(2\.10\)"):
+        _torch_version.check_torch_version()
+
+
+# Loads graphshard._torch_version alone, makes it see torch 2.10, then imports graphshard.
+_OLD_TORCH = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('graphshard._torch_version', sys.argv[1])\n"
+    "module = importlib.util.module_from_spec(spec)\n"
+    "sys.modules[spec.name] = module\n"
+    "spec.loader.exec_module(module)\n"
+    "module.installed_torch_version = lambda: (2, 10)\n"
+    "try:\n"
+    "    import graphshard\n"
+    "except ImportError as exc:\n"
+    "    assert 'graphshard.api' not in sys.modules, 'the check ran after other imports'\n"
+    "    print(exc)\n"
+    "else:\n"
+    "    raise SystemExit('graphshard imported on torch 2.10')\n"
+)
+
+
+def test_importing_graphshard_on_an_older_torch_raises_a_clear_import_error(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _OLD_TORCH, str(ROOT / "graphshard" / "_torch_version.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    message = done.stdout.strip()
+    assert message.startswith("graphshard needs torch>=2.11, but torch "), message
+    assert "(2.10) is installed" in message

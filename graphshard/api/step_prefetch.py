@@ -294,7 +294,8 @@ def _issue(recipes: list[tuple[tuple[int, str], _Recipe]]) -> None:
         if old is not None:
             _drain(old)
         gathered = sent.new_empty(recipe.group_size * sent.numel())
-        work = dist.all_gather_single(gathered, sent, _resolve_process_group(
+        # all_gather_into_tensor: in every supported torch (all_gather_single is not in 2.11)
+        work = dist.all_gather_into_tensor(gathered, sent, _resolve_process_group(
             recipe.group_name), async_op=True)
         _SLOTS[key] = _Slot(sent, gathered, work)
         _STATS["issued"] += 1
