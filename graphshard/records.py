@@ -68,6 +68,9 @@ class ShardState:
     # (graphshard.safety.mutation): (reference to the copy, its version, parameter name),
     # the last one a strong reference, the others weak
     eager_reads: list = field(default_factory=list)
+    # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
+    # them): every rank must step alike, and the checks that are free compare it
+    optimizer_steps: int = 0
     offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
     compute_device: str = ""  # with offload: the device type shards are gathered on
 

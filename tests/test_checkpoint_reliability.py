@@ -87,6 +87,14 @@ def job_w2(rank: int, world_size: int, root: str) -> dict:
                                                                 step=1))
     out["diff_step"] = _error(lambda: graphshard.save_checkpoint(f"{root}/same", model, opt,
                                                                  step=1 + rank))
+    # 13. rank 1 skipped an optimizer step: the ranks' shards hold different steps
+    opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        opt.step()  # no gradients: nothing changes but the count of steps
+    out["skipped_step"] = _error(lambda: graphshard.save_checkpoint(f"{root}/skipped", model,
+                                                                    opt, step=1))
+    if rank == 1:
+        opt.step()  # the ranks agree again
     dist.barrier()
     out["disagree_left"] = sorted(os.listdir(root))
     # 9. rank 0 cannot create the directory; rank 1 has an optimizer of foreign parameters
@@ -181,7 +189,15 @@ def test_ranks_must_agree_on_directory_and_step(w2):
         msg = out["diff_step"]
         assert "rank 0: directory" in msg and "step 1; rank 1" in msg and "step 2" in msg
         root = out["disagree_left"]
-    assert not {"dir0", "dir1", "same"} & set(root)  # nothing written
+    assert not {"dir0", "dir1", "same", "skipped"} & set(root)  # nothing written
+
+
+def test_a_rank_that_skipped_an_optimizer_step_is_refused_at_save(w2):
+    for out in w2:
+        msg = out["skipped_step"]
+        assert msg.startswith("GraphshardRuntimeError: save_checkpoint: the ranks' shards hold "
+                              "different training steps"), msg
+        assert "rank 0: 3, rank 1: 2" in msg and "optimizer.step() on every step" in msg
 
 
 def test_an_error_on_one_rank_reaches_every_rank_at_once(w2):

@@ -64,6 +64,8 @@ def job_plans_then_raise(rank: int, world_size: int) -> dict:
     out["backend"] = _error(lambda: compiled(torch.randn(4, 13)))
     # 5. the process group still works after refusing: .double() after shard() trains right
     out["double"] = _train_double(rank, world_size)
+    # 5b. eager forwards that differ between ranks: refused at the end of the forward
+    out.update(_diverging_forwards(rank))
     # 6. rank 1 raises (its process then exits); rank 0 is in the forward's all-gather
     model = graphshard.shard(build("awkward"))
     start = time.monotonic()
@@ -76,6 +78,48 @@ def job_plans_then_raise(rank: int, world_size: int) -> dict:
             model(*batch("awkward", 1, rank)).loss.backward()
     except Exception as exc:
         out["raise"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    return out
+
+
+class TwoSame(torch.nn.Module):
+    """Two same-shaped layers: their gathers pair up across layers if ranks swap them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+        self.reverse = False
+
+    def forward(self, x):
+        for layer in (self.layers[::-1] if self.reverse else self.layers):
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def _diverging_forwards(rank: int) -> dict:
+    """Rank 1 alone: runs the layers in the other order, is inside no_sync, has frozen a
+    layer, skipped an optimizer step. Each eager forward must be refused on both ranks."""
+    torch.manual_seed(0)
+    model = graphshard.shard(TwoSame())
+    x = torch.randn(4, 8)
+    out = {}
+    model.reverse = rank == 1
+    out["order"] = _error(lambda: model(x))
+    model.reverse = False
+    out["same"] = _error(lambda: model(x).backward())  # agreeing ranks train on
+    if rank == 1:
+        with graphshard.no_sync(model):
+            out["no_sync"] = _error(lambda: model(x))
+    else:
+        out["no_sync"] = _error(lambda: model(x))
+    model.zero_grad()
+    model.layers[0].requires_grad_(rank == 0)
+    out["frozen"] = _error(lambda: model(x))
+    model.layers[0].requires_grad_(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).backward()
+    if rank == 0:  # rank 1 skips this step
+        optimizer.step()
+    out["skipped_step"] = _error(lambda: model(x))
     return out
 
 
@@ -150,6 +194,22 @@ def test_different_backend_options_are_refused_at_compile(ranks):
         assert kind == "BackendCompilerFailed"  # how torch.compile reports backend errors
         assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
         assert "backend option prefetch_depth: rank 0 has 1, rank 1 has 2" in msg
+
+
+@pytest.mark.parametrize("case, says", [
+    ("order", "read 0 of the forward: rank 0 read 'layers.0.weight', rank 1 read "
+              "'layers.1.weight'"),
+    ("no_sync", "gradient sync 'synchronised', rank 1's with 'no_sync'"),
+    ("frozen", "rank 0 read 'layers.0.weight', rank 1 read 'layers.0.weight' (frozen)"),
+    ("skipped_step", "rank 0 has taken 1 optimizer step(s) on this model, rank 1 0"),
+])
+def test_eager_forwards_that_differ_between_ranks_are_refused_on_every_rank(ranks, case,
+                                                                            says):
+    for rank, result in enumerate(ranks):
+        kind, msg = result[case]
+        assert kind == "PlanMismatchError", (rank, msg)
+        assert "the ranks ran different eager forwards" in msg and says in msg, msg
+    assert all(result["same"] == ("", "no error") for result in ranks)
 
 
 def test_dtype_change_after_shard_trains_correctly(ranks):

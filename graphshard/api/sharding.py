@@ -21,6 +21,7 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
 from graphshard.safety.mutation import end_eager_reads, note_eager_read
+from graphshard.safety.rank_agreement import check_same_forward
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
@@ -124,7 +126,10 @@ def _exit_forward(state: ShardState):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         state.forward_depth -= 1
         if state.forward_depth == 0 and state.eager_reads:
-            end_eager_reads(state)
+            if sys.exc_info()[1] is not None:  # unwinding an error: only forget the reads
+                state.eager_reads = []
+                return
+            check_same_forward(state, end_eager_reads(state))
 
     return hook
 

@@ -27,6 +27,7 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
     module.register_load_state_dict_pre_hook(functools.partial(_refuse_plain_tensors, state))
+    _STATES.append(weakref.ref(state))
     check_shard_plan(state)
     check_shard_values(state, originals)
 
@@ -171,9 +173,28 @@ def _refuse_plain_tensors(state: Any, module, state_dict, prefix, *args: Any) ->
 # --------------------------------------------------------------------------- optimizers
 
 
+_STATES: list[weakref.ref] = []  # the sharding records of every sharded model
+
+
+def _states_stepped_by(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
+    """Weak references to the sharding records whose parameters ``optimizer`` holds."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    _STATES[:] = [ref for ref in _STATES if ref() is not None]
+    return [ref for ref in _STATES if any(id(e.param) in held for e in ref().params)]
+
+
+def _count_step(optimizer: torch.optim.Optimizer) -> None:
+    """One more optimizer step on each model whose parameters ``optimizer`` holds."""
+    for ref in optimizer.__dict__["_graphshard_states"]:
+        state = ref()
+        if state is not None:
+            state.optimizer_steps += 1
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if optimizer.__dict__.get("_graphshard_checked") == count:
+        _count_step(optimizer)
         return None
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -187,6 +208,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)."
                 )
     optimizer.__dict__["_graphshard_checked"] = count
+    optimizer.__dict__["_graphshard_states"] = _states_stepped_by(optimizer)
+    _count_step(optimizer)
     return None
 
 

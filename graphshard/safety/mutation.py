@@ -112,14 +112,16 @@ def note_eager_read(state, full: torch.Tensor, name: str) -> None:
     ``state.eager_reads``, after checking the previous read's copy."""
     reads = state.eager_reads
     if reads:
-        last, version, last_name = reads[-1]
+        last, version, last_name, trained = reads[-1]
         _check(last, version, last_name)
-        reads[-1] = (weakref.ref(last()), version, last_name)  # no longer held
-    reads.append((lambda full=full: full, full._version, name))
+        reads[-1] = (weakref.ref(last()), version, last_name, trained)  # no longer held
+    reads.append((lambda full=full: full, full._version, name, full.requires_grad))
 
 
-def end_eager_reads(state) -> None:
-    """At the end of an eager forward: raise if a copy it read was updated in place."""
+def end_eager_reads(state) -> list[tuple[str, bool]]:
+    """At the end of an eager forward: raise if a copy it read was updated in place; else
+    return ``(parameter name, trained)`` of each read, in order."""
     reads, state.eager_reads = state.eager_reads, []
-    for ref, version, name in reads:
+    for ref, version, name, _ in reads:
         _check(ref, version, name)
+    return [(name, trained) for _, _, name, trained in reads]

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.sharding import shard_state
+from graphshard.api.sharding import is_sharded, shard_state
 from graphshard.errors import (
     CheckpointMismatchError,
     GraphshardFileNotFoundError,
@@ -217,7 +217,7 @@ def save_checkpoint(
     flat: dict[str, Any] = {}
     meta_bytes = b""
     try:
-        key = (os.path.normpath(os.fspath(directory)), step)
+        key = (os.path.normpath(os.fspath(directory)), step, _optimizer_steps(module))
         _check_step(step)
         if keep_last is not None and (isinstance(keep_last, bool) or
                                       not isinstance(keep_last, int) or keep_last < 1):
@@ -230,10 +230,17 @@ def save_checkpoint(
     except Exception as exc:
         error = exc
     keys = integrity.agree(error, process_group, "Preparing the checkpoint", key)
-    if any(k != keys[0] for k in keys):
+    if any(k[:2] != keys[0][:2] for k in keys):
         raise GraphshardValueError(
             "save_checkpoint needs the same directory and step on every rank; got "
-            + "; ".join(f"rank {r}: directory {d!r}, step {s!r}" for r, (d, s) in enumerate(keys))
+            + "; ".join(f"rank {r}: directory {d!r}, step {s!r}"
+                        for r, (d, s, _) in enumerate(keys))
+        )
+    if any(k[2] != keys[0][2] for k in keys):
+        raise GraphshardRuntimeError(
+            "save_checkpoint: the ranks' shards hold different training steps (optimizer steps "
+            "taken on this model: " + ", ".join(f"rank {r}: {k[2]}" for r, k in enumerate(keys))
+            + "). Every rank must call optimizer.step() on every step; nothing was written."
         )
     root = Path(directory)
     final = root / _step_name(step)
@@ -276,6 +283,11 @@ def _check_step(step: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise GraphshardValueError(
             f"step must be an int >= 0 (it names the checkpoint step_N), got {step!r}")
+
+
+def _optimizer_steps(module: nn.Module) -> int | None:
+    """The optimizer steps taken on a sharded model's parameters (None if not sharded)."""
+    return shard_state(module).optimizer_steps if is_sharded(module) else None
 
 
 def _refuse_held_back_gradients(module: nn.Module) -> None:
