@@ -120,6 +120,16 @@ def _diverging_forwards(rank: int) -> dict:
     if rank == 0:  # rank 1 skips this step
         optimizer.step()
     out["skipped_step"] = _error(lambda: model(x))
+    # compiled: rank 1 alone in no_sync compiles another graph, refused at its first compile
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = graphshard.shard(TwoSame())
+    compiled = torch.compile(model, backend=graphshard.backend(inductor=False))
+    if rank == 1:
+        with graphshard.no_sync(model):
+            out["compiled_no_sync"] = _error(lambda: compiled(x))
+    else:
+        out["compiled_no_sync"] = _error(lambda: compiled(x))
     return out
 
 
@@ -210,6 +220,14 @@ def test_eager_forwards_that_differ_between_ranks_are_refused_on_every_rank(rank
         assert kind == "PlanMismatchError", (rank, msg)
         assert "the ranks ran different eager forwards" in msg and says in msg, msg
     assert all(result["same"] == ("", "no error") for result in ranks)
+
+
+def test_a_rank_alone_in_no_sync_is_refused_at_the_first_compile(ranks):
+    for result in ranks:
+        kind, msg = result["compiled_no_sync"]
+        assert kind == "BackendCompilerFailed"  # how torch.compile reports backend errors
+        assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
+        assert "marker layers.0.weight" in msg and "sync=" in msg, msg
 
 
 def test_dtype_change_after_shard_trains_correctly(ranks):
