@@ -54,7 +54,7 @@ class ShardState:
     group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
     world_size: int  # ranks in the shard group
     rank: int  # this rank's index in the shard group
-    reshard_after_forward: bool
+    reshard_after_forward: bool | str  # True, False or "auto"
     mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
     sync: int  # where this micro-batch's gradients go (a GradSync value)
     params: list[ShardedParam] = field(default_factory=list)

@@ -30,6 +30,10 @@ __all__ = [
     "ReduceGradArgs",
     "marker_args",
     "GradSync",
+    "RESHARD_KEEP",
+    "RESHARD_FREE",
+    "RESHARD_AUTO",
+    "reshard_code",
     "reduce_op",
     "reduced_shape",
 ]
@@ -39,11 +43,13 @@ _lib = torch.library.Library("graphshard", "DEF")
 # leaf that receives it when it is not reduced all the way, ``pending_*`` what earlier
 # micro-batches accumulated, folded into this micro-batch's reduction. ``shard`` is the rank's
 # local rows (the DTensor parameter's local tensor, unpadded: see ``graphshard.passes.layout``).
+# ``reshard``: RESHARD_KEEP (0, ZeRO-2), RESHARD_FREE (1, ZeRO-3) or RESHARD_AUTO (2: the
+# ``reshard`` pass chooses per bucket against the plan's memory budget); a bool reads as 0/1.
 # ``compute_device`` (CPU offload): the device type the shard is copied to before the gather
 # ('' = gathered where it lives); the last of the per-parameter fields ``shard()`` fixes, so
 # the per-read ones (``sync`` ...) follow it.
 _lib.define(
-    "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, bool reshard, "
+    "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, int reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, "
     "str compute_device='', int sync=0, Tensor? accum=None, Tensor? pending_full=None, "
@@ -87,6 +93,18 @@ class GradSync:
     FULL = 0
     PARTIAL = 1
     NONE = 2
+
+RESHARD_KEEP = 0  # reshard_after_forward=False: kept from forward to backward (ZeRO-2)
+RESHARD_FREE = 1  # reshard_after_forward=True: freed, gathered again in backward (ZeRO-3)
+RESHARD_AUTO = 2  # reshard_after_forward="auto": chosen per bucket (graphshard.passes.reshard)
+
+
+def reshard_code(reshard_after_forward: bool | str) -> int:
+    """The ``reshard`` argument of ``unshard`` for a ``shard(reshard_after_forward=...)``."""
+    if reshard_after_forward == "auto":
+        return RESHARD_AUTO
+    return RESHARD_FREE if reshard_after_forward else RESHARD_KEEP
+
 
 UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
@@ -162,7 +180,7 @@ class UnshardSpec(NamedTuple):
     full_shape: list[int]
     bucket: int
     pinned: bool
-    reshard: bool
+    reshard: int  # RESHARD_KEEP, RESHARD_FREE or RESHARD_AUTO
     name: str
     world_size: int
     group_name: str
@@ -180,7 +198,7 @@ class UnshardArgs(NamedTuple):
     full_shape: list[int]
     bucket: int
     pinned: bool  # the user chose this bucket: bucketing strategies leave it alone
-    reshard: bool
+    reshard: int  # RESHARD_KEEP (0), RESHARD_FREE (1) or RESHARD_AUTO (2)
     name: str
     world_size: int
     group_name: str

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from graphshard.passes.auto_reshard import parse_bytes
 from graphshard.passes.cost_model import HardwareProfile, get_profile
 from graphshard.passes.errors import GraphshardTypeError, GraphshardValueError
 from graphshard.passes.markers import marker_args
@@ -60,6 +61,15 @@ class Plan:
             reduce-scatter of their own, issued when they are ready, where the cost model
             predicts it shortens the exposed end of the backward
             (:mod:`graphshard.passes.split_reduce`).
+        memory_budget: bytes of memory per rank (an int, or a str such as ``"40GiB"``,
+            stored as the int) that ``shard(reshard_after_forward="auto")`` must fit: per
+            bucket, the compiler keeps the gathered parameters for backward (ZeRO-2) or frees
+            them and gathers again (ZeRO-3), and may shorten the prefetch depth, choosing the
+            fastest schedule the cost model predicts whose predicted peak (sharded state,
+            gradients, AdamW's two optimizer states, saved activations, gathered buckets)
+            fits (:mod:`graphshard.passes.auto_reshard`). None: the CUDA device's memory on
+            a GPU, no budget on the CPU (everything kept). Ignored unless some parameter is
+            sharded with ``reshard_after_forward="auto"``.
         reduce_scatter_via: how a bucket's gradients are reduce-scattered. ``"reduce_scatter"``:
             the collective. ``"all_to_all"``: each rank sends every other rank that rank's
             piece (an all-to-all) and sums the pieces it receives, the same result with half
@@ -83,6 +93,7 @@ class Plan:
     step_prefetch: bool = False
     split_last_reduce: bool = True
     reduce_scatter_via: str = "auto"
+    memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         _check_int("prefetch_depth", self.prefetch_depth, 0, self,
@@ -95,6 +106,11 @@ class Plan:
         for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
+        if self.memory_budget is not None:
+            value = self.memory_budget
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                value = int(value)
+            object.__setattr__(self, "memory_budget", parse_bytes(value, "memory_budget"))
         if isinstance(self.profile, str):
             object.__setattr__(self, "profile", get_profile(self.profile))
         elif not isinstance(self.profile, HardwareProfile):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from graphshard.errors import (
     GraphshardValueError,
 )
 from graphshard.passes.layout import Dim0Layout
-from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
+from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec, reshard_code
 from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
 from graphshard.safety.mutation import end_eager_reads, note_eager_read
@@ -341,10 +341,11 @@ def _check_shard_options(module: object, mesh: object, reshard_after_forward: ob
             f"shard) for HSDP) or None for the default process group, got {mesh!r} "
             f"({type(mesh).__name__})"
         )
-    if not isinstance(reshard_after_forward, bool):
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward != "auto":
         raise GraphshardTypeError(
             f"graphshard.shard() option reshard_after_forward must be True (free the gathered "
-            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), got "
+            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), or "
+            f"'auto' (the compiler chooses per bucket within backend(memory_budget=...)); got "
             f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
         )
 
@@ -398,7 +399,7 @@ def shard(
     mesh=None,
     *,
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | Literal["auto"] = True,
     mixed_precision: MixedPrecision | None = None,
     offload: CPUOffload | None = None,
 ) -> nn.Module:
@@ -422,7 +423,11 @@ def shard(
             need not be neighbours), each gathered as one bucket; what no group holds goes to
             a last bucket.
         reshard_after_forward: free unsharded parameters after forward and gather them again
-            in backward (ZeRO-3, default); False keeps them for backward (ZeRO-2).
+            in backward (ZeRO-3, default); False keeps them for backward (ZeRO-2);
+            ``"auto"``: the compiler chooses per bucket, keeping what fits the backend's
+            ``memory_budget`` (default: the GPU's memory; on the CPU everything is kept) and
+            freeing the rest, fastest predicted schedule first
+            (:mod:`graphshard.passes.auto_reshard`). Uncompiled (eager), the three run alike.
         mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
         offload: ``CPUOffload()`` keeps the shards (pinned by default), gradients and
@@ -524,7 +529,7 @@ def shard(
                 full_shape=list(entry.full_shape),
                 bucket=entry.bucket,
                 pinned=entry.pinned,
-                reshard=reshard_after_forward,
+                reshard=reshard_code(reshard_after_forward),
                 name=entry.names[0],
                 world_size=world_size,
                 group_name=state.group_name,

@@ -3,6 +3,7 @@
     graphshard dump MODULE:FACTORY --world-size 8 --out DIR [--tp 2]
     graphshard plan --model llama3-8b --world-size 8,64,512,1024 --profile h100-nvlink
     graphshard plan --model llama3-70b --world-size 1024 --tp 8   # (dp, tp) = (128, 8)
+    graphshard plan --model llama3-8b --world-size 8 --memory-budget 40GiB   # keep/free per bucket
     graphshard calibrate
 """
 
@@ -25,6 +26,17 @@ TP_HELP = (
 )
 
 
+def _memory_budget(text: str) -> int:
+    """``--memory-budget``: bytes, as ``graphshard.backend(memory_budget=...)`` takes them."""
+    from graphshard.errors import GraphshardError
+    from graphshard.passes.auto_reshard import parse_bytes
+
+    try:
+        return parse_bytes(int(text) if text.isdigit() else text, "--memory-budget")
+    except GraphshardError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help=TP_HELP)
     parser.add_argument("--bucketing", choices=["block", "size", "auto"], default="block",
@@ -35,6 +47,11 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="all-gathers issued ahead of the bucket computing")
     parser.add_argument("--max-unsharded-bytes", type=int, default=None,
                         help="cap on gathered bytes alive at once")
+    parser.add_argument("--memory-budget", default=None, type=_memory_budget,
+                        help="bytes of memory per rank (e.g. 40GiB, 80GB, 42949672960): shard "
+                        "with reshard_after_forward='auto' and let the compiler keep or free "
+                        "each bucket to fit it; prints the choice per bucket and the predicted "
+                        "peak")
     parser.add_argument("--profile", default="cpu-gloo",
                         help="hardware profile: h100-nvlink, h100-infiniband, cpu-gloo, or a "
                         "calibrated one")
@@ -48,6 +65,7 @@ def _plan_options(args: argparse.Namespace) -> dict:
         "max_unsharded_bytes": args.max_unsharded_bytes,
         "profile": args.profile,
         "tp": args.tp,
+        **({} if args.memory_budget is None else {"memory_budget": args.memory_budget}),
     }
 
 
@@ -60,7 +78,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
     factory = load_factory(args.factory)
     out = Path(args.out)
     start = time.perf_counter()
-    graphs = trace_offline(factory, args.world_size, dump_dir=str(out), **_plan_options(args))
+    auto = {} if args.memory_budget is None else {
+        "shard_options": {"reshard_after_forward": "auto"}}
+    graphs = trace_offline(factory, args.world_size, dump_dir=str(out), **auto,
+                           **_plan_options(args))
     elapsed = time.perf_counter() - start
     mesh = f" ((dp, tp) = ({dp}, {tp}))" if tp > 1 else ""
     print(f"traced {len(graphs)} graph(s) at world size {args.world_size}{mesh} in "
@@ -78,6 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from graphshard.tools.offline import mesh_shape
     from graphshard.tools.whatif import (
+        format_reshard_choices,
         format_table,
         plan_many,
         resolve_factory,
@@ -99,6 +121,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{row.passes_s:.1f} s)", flush=True)
     print(f"\n{args.model} on {args.profile}, memory per rank, bytes per rank and step\n")
     print(format_table(rows))
+    if args.memory_budget is not None:
+        from graphshard.passes.auto_reshard import format_bytes
+
+        print(f"reshard_after_forward='auto' within --memory-budget "
+              f"{format_bytes(args.memory_budget)} per rank (predicted by the cost model)\n")
+        print(format_reshard_choices(rows))
     if args.symbolic:
         print(symbolic_report(rows))
     if args.json:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import fx
@@ -26,6 +26,7 @@ from graphshard.analysis.report import collectives_by_group, step_summary
 from graphshard.errors import GraphshardValueError
 from graphshard.passes.cost_model import get_profile
 from graphshard.passes.markers import is_unshard, marker_args
+from graphshard.passes.reshard import reshard_choice
 from graphshard.passes.simulate import gathered_nodes, simulate
 from graphshard.passes.traffic import step_traffic
 from graphshard.tools.offline import Factory, trace_step_offline
@@ -36,6 +37,7 @@ __all__ = [
     "plan_one",
     "plan_many",
     "format_table",
+    "format_reshard_choices",
     "symbolic_report",
     "llama_factory",
 ]
@@ -80,6 +82,9 @@ class WhatIf:
     passes_s: float
     copy_bytes: int = 0  # bytes graphshard's own kernels move per step (passes.traffic)
     copy_floor_bytes: int = 0  # the least those kernels could move
+    memory_budget: int | None = None  # --memory-budget: sharded with reshard="auto"
+    # what reshard_after_forward="auto" chose, one ReshardChoice per compiled graph
+    reshard_choices: list = field(default_factory=list)
 
     @property
     def memory_total(self) -> int:
@@ -201,9 +206,13 @@ def what_if(
     factory: Factory, world_size: int, *, profile: str, tp: int = 1, **plan_options
 ) -> WhatIf:
     """Trace ``factory()`` at ``world_size`` fake ranks (``world_size // tp`` × ``tp``) and
-    size up one training step."""
+    size up one training step. With ``memory_budget`` the model is sharded with
+    ``reshard_after_forward="auto"`` and the choice per bucket is in ``reshard_choices``."""
     start = time.perf_counter()
-    trace = trace_step_offline(factory, world_size, tp=tp, profile=profile, **plan_options)
+    budget = plan_options.get("memory_budget")
+    shard_options = None if budget is None else {"reshard_after_forward": "auto"}
+    trace = trace_step_offline(factory, world_size, tp=tp, profile=profile,
+                               shard_options=shard_options, **plan_options)
     trace_s = time.perf_counter() - start
     graphs = trace.graphs
     hw = get_profile(profile)
@@ -255,6 +264,9 @@ def what_if(
         passes_s=trace.pass_seconds,
         copy_bytes=copies.total,
         copy_floor_bytes=copies.total_minimum,
+        memory_budget=None if budget is None else next(
+            (c.budget for s in graphs if (c := reshard_choice(s["joint"])) is not None), None),
+        reshard_choices=[c for s in graphs if (c := reshard_choice(s["joint"])) is not None],
     )
 
 
@@ -308,6 +320,18 @@ def format_table(rows: list[WhatIf]) -> str:
             f"{r.passes_s:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def format_reshard_choices(rows: list[WhatIf]) -> str:
+    """Per world size and compiled graph: what ``reshard_after_forward="auto"`` chose within
+    the memory budget (keep or free per bucket) and the predicted peak per rank."""
+    lines = []
+    for r in rows:
+        for i, choice in enumerate(r.reshard_choices):
+            graph = f", graph {i}" if len(r.reshard_choices) > 1 else ""
+            lines += [f"N={r.world_size}{graph}: kept {len(choice.kept)} bucket(s) for backward"
+                      f" (ZeRO-2), freed {len(choice.freed)} (ZeRO-3)", choice.format(), ""]
+    return "\n".join(lines)
 
 
 def symbolic_report(rows: list[WhatIf]) -> str:

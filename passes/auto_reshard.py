@@ -1,0 +1,504 @@
+"""``reshard_after_forward="auto"``: keep or free each bucket, chosen against a memory budget.
+
+Runs inside :func:`graphshard.passes.reshard` on the joint graph, where keep (``MUST_SAVE``,
+ZeRO-2 for that bucket) or free (``MUST_RECOMPUTE``, ZeRO-3: gathered again in backward) is
+decided. From the joint graph and the plan alone (so every rank decides the same) it builds a
+bucket-level model of the step:
+
+- **memory per rank**, along the step (forward segment by segment, then backward in reverse):
+  sharded parameters, their gradients and ``OPTIMIZER_STATES`` optimizer states of the
+  shards' size (AdamW's two; the graph does not show the optimizer), all of them padded
+  pieces (the same bytes on every rank); the activations the forward saves for backward
+  (every forward value the backward reads, minus parameters: the cut that saves everything
+  at the boundary, which bounds what the min-cut partitioner saves); gathered buckets, alive
+  from their (prefetched) all-gather to their last use, a kept bucket's backward part until
+  its last backward use; the backward's re-gathered buckets, prefetched ``d`` ahead; each
+  bucket's full gradients from its first gradient until its reduce-scatter has run.
+- **time**: forward and backward on one compute and one comm stream, per bucket: forward
+  compute from the cost model between buckets' first reads, backward compute twice that,
+  all-gathers and reduce-scatters priced by the cost model's ring formulas, gathers issued
+  ``d`` buckets ahead as :func:`graphshard.passes.prefetch` issues them.
+
+The search: for each prefetch depth from ``plan.prefetch_depth`` down to 0, free buckets in
+order of least predicted added time (ties: most bytes saved, then bucket index) until the
+predicted peak fits the budget, then keep again any freed bucket that still fits; of the
+depths whose schedule fits, the fastest predicted one wins (ties: the deeper prefetch). With
+no budget everything is kept at ``plan.prefetch_depth``. When nothing fits, every bucket is
+freed at depth 0 (the least memory the model predicts) and a warning says by how much the
+budget is exceeded.
+
+Everything here is a prediction: the real peak also holds what the model does not see
+(the allocator's fragmentation, Inductor's temporaries, the loss's inputs, communication
+buffers of the backend).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from graphshard.passes.cost_model import (
+    HardwareProfile,
+    all_gather_time,
+    node_time,
+    reduce_scatter_time,
+    tensor_bytes,
+)
+from graphshard.passes.errors import GraphshardTypeError, GraphshardValueError
+from graphshard.passes.layout import Dim0Layout
+from graphshard.passes.markers import RESHARD_AUTO, is_reduce_grad, is_unshard, marker_args
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "BucketReshard",
+    "ReshardChoice",
+    "choose_reshard",
+    "parse_bytes",
+    "default_memory_budget",
+    "format_bytes",
+    "resolve_budget",
+]
+
+OPTIMIZER_STATES = 2  # optimizer tensors per parameter element, the shard's size (AdamW)
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+_VIEWS = {
+    aten.view.default, aten.slice.Tensor, aten.clone.default, aten.permute.default,
+    aten.t.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.alias.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+    aten._to_copy.default, aten.detach.default,
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: object, option: str = "memory_budget") -> int:
+    """A byte count from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``,
+    ``"80GB"`` (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000; case-insensitive).
+
+    Raises ``GraphshardTypeError`` (not an int or str) or ``GraphshardValueError`` (not a
+    positive size), naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise GraphshardTypeError(
+            f"graphshard backend option {option} must be a byte count (an int such as "
+            f"40 * 2**30, or a str such as '40GiB') or None, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = match and match.group(2).lower()
+        if match is None or unit not in _UNITS:
+            raise GraphshardValueError(
+                f"graphshard backend option {option} must be a size such as '40GiB', "
+                f"'512MiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+            )
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number < 1:
+        raise GraphshardValueError(
+            f"graphshard backend option {option} must be positive (bytes of memory per rank), "
+            f"got {value!r}"
+        )
+    return int(number)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it above 1 (``1.50 GiB``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def default_memory_budget(device: torch.device | str | None) -> int | None:
+    """The budget when none is given: the memory of the CUDA device the parameters are
+    gathered on, None elsewhere (the CPU, fake tensors offline: everything fits)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+@dataclass(frozen=True)
+class BucketReshard:
+    """The choice for one bucket (forward order)."""
+
+    bucket: int
+    params: tuple[str, ...]
+    gathered_bytes: int  # the bucket's all-gathered (unsharded) bytes in forward
+    backward_bytes: int  # of which the backward reads: kept, or gathered again
+    keep: bool  # True: kept from forward to backward (ZeRO-2); False: freed (ZeRO-3)
+    auto: bool = True  # False: fixed by reshard_after_forward=True/False, not chosen
+    added_s: float = 0.0  # predicted step time freeing it adds, all else kept
+
+
+@dataclass(frozen=True)
+class ReshardChoice:
+    """What ``reshard_after_forward="auto"`` chose for one compiled graph, and why."""
+
+    buckets: tuple[BucketReshard, ...]
+    prefetch_depth: int
+    budget: int | None  # bytes per rank; None: no budget (everything fits)
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    fits: bool
+    state_bytes: int  # sharded parameters + gradients + optimizer state, per rank
+    activation_bytes: int  # saved for backward (the boundary cut)
+    keep_all_peak_bytes: int  # the predicted peak with every bucket kept
+    keep_all_step_s: float
+    free_all_peak_bytes: int  # with every bucket freed, at depth 0
+    zero3_peak_bytes: int  # what reshard_after_forward=True predicts: all but the last freed
+    peaks: dict[int, int] = field(default_factory=dict)  # depth -> peak of its choice
+
+    def keeps(self, bucket: int) -> bool:
+        """Whether ``bucket``'s gathered parameters are kept for backward."""
+        return next(b.keep for b in self.buckets if b.bucket == bucket)
+
+    @property
+    def kept(self) -> list[int]:
+        """Buckets kept for backward (forward order)."""
+        return [b.bucket for b in self.buckets if b.keep]
+
+    @property
+    def freed(self) -> list[int]:
+        """Buckets freed after forward and gathered again in backward."""
+        return [b.bucket for b in self.buckets if not b.keep]
+
+    def format(self) -> str:
+        """A summary line and a table, one row per bucket."""
+        budget = "none (everything fits)" if self.budget is None else format_bytes(self.budget)
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines = [
+            f"memory budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"({verdict}; state {format_bytes(self.state_bytes)}, activations "
+            f"{format_bytes(self.activation_bytes)}), prefetch depth {self.prefetch_depth}, "
+            f"predicted step {self.predicted_step_s * 1e3:.3f} ms; keep all: peak "
+            f"{format_bytes(self.keep_all_peak_bytes)}, {self.keep_all_step_s * 1e3:.3f} ms; "
+            f"free all: peak {format_bytes(self.free_all_peak_bytes)}",
+            "| bucket | params | gathered | backward reads | choice | freeing adds ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for b in self.buckets:
+            names = ", ".join(b.params[:2]) + (f", +{len(b.params) - 2}" if len(b.params) > 2
+                                               else "")
+            choice = ("keep (ZeRO-2)" if b.keep else "free (ZeRO-3)") + ("" if b.auto
+                                                                        else ", fixed")
+            lines.append(f"| {b.bucket} | {names} | {format_bytes(b.gathered_bytes)} | "
+                         f"{format_bytes(b.backward_bytes)} | {choice} | "
+                         f"{b.added_s * 1e3:.3f} |")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Bucket:
+    index: int
+    names: list[str]
+    gathered: int  # forward all-gather bytes
+    backward: int  # bytes of the parameters the backward reads
+    grad: int  # full gradient bytes (reduce dtype)
+    reduce_buffers: int  # bytes the reduction allocates (padded send buffer, received pieces)
+    first: int  # forward segment of its first read
+    last: int  # forward segment of its last read
+    bw_lo: int  # backward reads span forward segments [bw_lo, bw_hi]
+    bw_hi: int
+    auto: bool
+    fixed_keep: bool
+
+
+@dataclass
+class _Step:
+    """The bucket-level model of one step."""
+
+    segments: int
+    fw_compute: list[float]  # per forward segment
+    saved: list[int]  # activation bytes saved per forward segment
+    state: int
+    buckets: list[_Bucket]  # in forward order (first read)
+    world: int
+    profile: HardwareProfile
+
+    # positions: forward segment s -> s; the backward of segment s -> two, its compute
+    # (``bw``: parameters, activations and gradients in use) then the reductions issued
+    # after it (``bw + 1``: gradients copied into the reduction's buffers, the previous
+    # reduction waited for)
+    def bw(self, s: int) -> int:
+        return self.segments + 2 * (self.segments - 1 - s)
+
+    def peak(self, keep: dict[int, bool], depth: int) -> int:
+        n = 3 * self.segments
+        delta = [0] * (n + 2)
+
+        def alive(start: int, end: int, size: int) -> None:
+            if size and end >= start:
+                delta[start] += size
+                delta[end + 1] -= size
+
+        for s, size in enumerate(self.saved):
+            alive(s, self.bw(s), size)
+        order = self.buckets
+        for k, b in enumerate(order):
+            issue = order[k - depth].first if k >= depth else 0
+            if keep[b.index] and b.backward:
+                alive(issue, b.last, b.gathered - b.backward)
+                alive(issue, self.bw(b.bw_lo), b.backward)
+            else:
+                alive(issue, b.last, b.gathered)
+        regather = sorted((b for b in order if not keep[b.index] and b.backward),
+                          key=lambda b: (-b.bw_hi, b.first))
+        for k, b in enumerate(regather):
+            issue = self.bw(regather[k - depth].bw_hi) if k >= depth else self.segments
+            alive(issue, self.bw(b.bw_lo), b.backward)
+        # each bucket's full gradients from the first one computed until they are copied into
+        # the reduction's buffer; the buffers until the next reduction is issued (its wait)
+        reduces = sorted(order, key=lambda b: (-b.first, b.index))
+        for k, b in enumerate(reduces):
+            alive(self.bw(b.last), self.bw(b.first) + 1, b.grad)
+            until = self.bw(reduces[k + 1].first) + 1 if k + 1 < len(reduces) else n - 1
+            alive(self.bw(b.first) + 1, until, b.reduce_buffers)
+        peak = live = 0
+        for d in delta[:n]:
+            live += d
+            peak = max(peak, live)
+        return self.state + peak
+
+    def time(self, keep: dict[int, bool], depth: int) -> float:
+        prof, world = self.profile, self.world
+        t = comm = 0.0
+        # forward: every bucket gathered, in order of first read, ``depth`` ahead
+        order = self.buckets
+        ends: list[float] = []
+        starts = [b.first for b in order] + [self.segments]
+
+        def issue_upto(k: int, now: float, seq: list, sizes: list[int], out: list) -> None:
+            nonlocal comm
+            while len(out) <= min(k, len(seq) - 1):
+                start = max(now, comm)
+                comm = start + all_gather_time(sizes[len(out)], world, prof)
+                out.append(comm)
+
+        sizes = [b.gathered for b in order]
+        t = sum(self.fw_compute[: starts[0]]) if order else sum(self.fw_compute)
+        for k in range(len(order)):
+            issue_upto(k + depth, t, order, sizes, ends)
+            t = max(t, ends[k])
+            t += sum(self.fw_compute[starts[k]: starts[k + 1]])
+        # backward: segments in reverse; re-gathers prefetched ``depth`` ahead; each bucket's
+        # reduce-scatter issued once its first segment's backward has run
+        regather = sorted((b for b in order if not keep[b.index] and b.backward),
+                          key=lambda b: (-b.bw_hi, b.first))
+        rsizes = [b.backward for b in regather]
+        waits: dict[int, list[int]] = {}
+        for k, b in enumerate(regather):
+            waits.setdefault(b.bw_hi, []).append(k)
+        reduce_at: dict[int, list[_Bucket]] = {}
+        for b in order:
+            reduce_at.setdefault(b.first, []).append(b)
+        bw_ends: list[float] = []
+        if regather:
+            issue_upto(depth, t, regather, rsizes, bw_ends)
+        for s in range(self.segments - 1, -1, -1):
+            for k in waits.get(s, ()):
+                issue_upto(k + depth, t, regather, rsizes, bw_ends)
+                t = max(t, bw_ends[k])
+            t += 2 * self.fw_compute[s]
+            for b in reduce_at.get(s, ()):
+                comm = max(t, comm) + reduce_scatter_time(b.grad, world, prof)
+        return max(t, comm)
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes the forward does not need: everything but the ancestors of the forward outputs
+    (the joint graph returns the forward's outputs, then one gradient per primal)."""
+    primals = [n for n in graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    outputs = list(graph.find_nodes(op="output")[0].args[0])
+    forward_outs = outputs[: max(0, len(outputs) - len(primals))]
+    forward: set[fx.Node] = set()
+    stack = [o for o in forward_outs if isinstance(o, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    return {n for n in graph.nodes if n not in forward and n.op not in ("placeholder", "output")}
+
+
+def _derived(marker: fx.Node, backward: set[fx.Node]) -> set[fx.Node]:
+    """``marker`` and the forward nodes made from it by views and casts: the parameter."""
+    found, stack = {marker}, [marker]
+    while stack:
+        for user in stack.pop().users:
+            if (user not in found and user not in backward and user.op == "call_function"
+                    and (user.target in _VIEWS or getattr(user.target, "is_view", False))):
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _model(gm: fx.GraphModule, plan) -> _Step | None:
+    graph = gm.graph
+    markers = [n for n in graph.nodes if is_unshard(n)]
+    if not markers:
+        return None
+    backward = _backward_nodes(graph)
+    segment: dict[fx.Node, int] = {}
+    current = 0
+    seen_marker = False
+    for node in graph.nodes:
+        if is_unshard(node):
+            current += seen_marker
+            seen_marker = True
+        segment[node] = current
+    segments = current + 1
+    params: set[fx.Node] = set()
+    per_marker: dict[fx.Node, tuple[set[fx.Node], bool, int]] = {}
+    for m in markers:
+        derived = _derived(m, backward)
+        params |= derived
+        users = [u for d in derived for u in d.users]
+        needed = any(u in backward for u in users)
+        last = max((segment[u] for u in users if u not in backward), default=segment[m])
+        per_marker[m] = (derived, needed, last)
+    fw_compute = [0.0] * segments
+    saved = [0] * segments
+    for node in graph.nodes:
+        if node.op != "call_function" or node in backward or node in params:
+            continue
+        if "val" in node.meta:
+            fw_compute[segment[node]] += node_time(node, plan.profile)
+            if any(u in backward for u in node.users):
+                saved[segment[node]] += tensor_bytes(node.meta["val"])
+    from graphshard.passes.plan import use_all_to_all
+
+    backends = {n.meta.get("group_backend") for n in graph.nodes if is_reduce_grad(n)}
+    all_to_all = use_all_to_all(plan.reduce_scatter_via, next(iter(sorted(
+        b for b in backends if b)), None))
+    buckets: dict[int, _Bucket] = {}
+    state = 0
+    counted: set[str] = set()
+    world = 1
+    for m in markers:
+        args = marker_args(m)
+        world = args.world_size
+        derived, needed, last = per_marker[m]
+        first = segment[m]
+        b = buckets.get(args.bucket)
+        if b is None:
+            b = buckets[args.bucket] = _Bucket(
+                args.bucket, [], 0, 0, 0, 0, first, last, segments, -1,
+                auto=args.reshard == RESHARD_AUTO, fixed_keep=not args.reshard)
+        b.first, b.last = min(b.first, first), max(b.last, last)
+        if needed:
+            b.bw_lo, b.bw_hi = min(b.bw_lo, first), max(b.bw_hi, last)
+        if args.name in counted:  # a parameter read under two markers counts once
+            continue
+        counted.add(args.name)
+        b.names.append(args.name)
+        val = m.meta["val"]
+        full = tensor_bytes(val)
+        b.gathered += full
+        b.backward += full if needed else 0
+        shard_val = args.shard.meta.get("val") if isinstance(args.shard, fx.Node) else None
+        shard_dtype = shard_val.dtype if isinstance(shard_val, torch.Tensor) else val.dtype
+        reduce_dtype = args.reduce_dtype or val.dtype
+        numel = math.prod(int(s) for s in args.full_shape)
+        b.grad += numel * reduce_dtype.itemsize
+        piece = Dim0Layout([int(s) for s in args.full_shape], args.world_size).piece_numel
+        padded = piece * args.world_size * reduce_dtype.itemsize  # the interleaved buffer
+        # all-to-all: the buffer and the pieces received; reduce-scatter: the buffer and this
+        # rank's piece
+        b.reduce_buffers += padded + (padded if all_to_all else padded // args.world_size)
+        state += piece * shard_dtype.itemsize * (2 + OPTIMIZER_STATES)
+    for b in buckets.values():
+        if b.bw_hi < 0:
+            b.bw_lo = b.bw_hi = b.last
+    ordered = sorted(buckets.values(), key=lambda b: (b.first, b.index))
+    return _Step(segments, fw_compute, saved, state, ordered, world, plan.profile)
+
+
+def _last_bucket(step: _Step) -> int:
+    return max(step.buckets, key=lambda b: (b.last, b.first)).index
+
+
+def choose_reshard(gm: fx.GraphModule, plan, budget: int | None = None) -> ReshardChoice | None:
+    """Choose keep or free per ``auto`` bucket of the joint graph ``gm`` (see the module doc);
+    None when the graph has no ``unshard`` marker. ``budget``: bytes per rank (None: no
+    budget). Buckets whose markers are not ``auto`` keep their fixed policy (the bucket read
+    last in forward is kept unless ``plan.reshard_last_bucket``, as :func:`reshard` does)."""
+    step = _model(gm, plan)
+    if step is None:
+        return None
+    last = None if plan.reshard_last_bucket else _last_bucket(step)
+    fixed = {b.index: b.fixed_keep or b.index == last for b in step.buckets if not b.auto}
+    auto = [b for b in step.buckets if b.auto and b.backward]
+    base = {b.index: True for b in step.buckets} | fixed  # a bucket the backward never reads:
+    # kept or freed alike (nothing is saved, nothing gathered again); reported as kept
+
+    def evaluate(keep: dict[int, bool], depth: int) -> tuple[float, int]:
+        return step.time(keep, depth), step.peak(keep, depth)
+
+    keep_all_time, keep_all_peak = evaluate(base, plan.prefetch_depth)
+    added: dict[int, float] = {}
+    for b in auto:
+        added[b.index] = step.time(base | {b.index: False}, plan.prefetch_depth) - keep_all_time
+    candidates = []  # (time, -depth, peak, keep)
+    depths = [plan.prefetch_depth] if budget is None else range(plan.prefetch_depth, -1, -1)
+    for depth in depths:
+        keep = dict(base)
+        order = sorted(auto, key=lambda b: (added[b.index], -b.backward, b.index))
+        freed = []
+        for b in order:
+            if budget is None or step.peak(keep, depth) <= budget:
+                break
+            keep[b.index] = False
+            freed.append(b)
+        if budget is not None and step.peak(keep, depth) > budget:
+            continue
+        for b in reversed(freed):  # keep again what still fits, the costliest first
+            trial = keep | {b.index: True}
+            if step.peak(trial, depth) <= budget:
+                keep = trial
+        time, peak = evaluate(keep, depth)
+        candidates.append((time, -depth, peak, keep))
+    all_free = base | {b.index: False for b in auto}
+    free_all_peak = step.peak(all_free, 0)
+    zero3_peak = step.peak(all_free | {_last_bucket(step): True}, plan.prefetch_depth)
+    if candidates:
+        time, neg_depth, peak, keep = min(candidates, key=lambda c: c[:3])
+        depth, fits = -neg_depth, True
+    else:
+        keep, depth, fits = all_free, 0, False
+        time, peak = evaluate(keep, depth)
+        warnings.warn(
+            f"graphshard reshard_after_forward='auto': no schedule fits memory_budget="
+            f"{format_bytes(budget)} per rank (predicted peak with every bucket freed and no "
+            f"prefetch: {format_bytes(peak)}); freeing every bucket. Raise the budget, use "
+            "smaller buckets, mixed precision or activation checkpointing.",
+            stacklevel=2,
+        )
+    rows = tuple(
+        BucketReshard(b.index, tuple(b.names), b.gathered, b.backward, keep[b.index],
+                      b.auto, added.get(b.index, 0.0))
+        for b in step.buckets
+    )
+    return ReshardChoice(
+        rows, depth, budget, peak, time, fits, step.state, sum(step.saved), keep_all_peak,
+        keep_all_time, free_all_peak, zero3_peak, {-c[1]: c[2] for c in candidates},
+    )
+
+
+def resolve_budget(gm: fx.GraphModule, plan) -> int | None:
+    """``plan.memory_budget``, or the default for the device the markers gather on."""
+    if plan.memory_budget is not None:
+        return plan.memory_budget
+    marker = next((n for n in gm.graph.nodes if is_unshard(n)), None)
+    val = marker.meta.get("val") if marker is not None else None
+    return default_memory_budget(val.device) if isinstance(val, torch.Tensor) else None
