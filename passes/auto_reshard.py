@@ -35,7 +35,6 @@ buffers of the backend).
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -49,16 +48,15 @@ from graphshard.passes.cost_model import (
     reduce_scatter_time,
     tensor_bytes,
 )
-from graphshard.passes.errors import GraphshardTypeError, GraphshardValueError
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import RESHARD_AUTO, is_reduce_grad, is_unshard, marker_args
+from graphshard.passes.plan import use_all_to_all
 
 __all__ = [
     "OPTIMIZER_STATES",
     "BucketReshard",
     "ReshardChoice",
     "choose_reshard",
-    "parse_bytes",
     "default_memory_budget",
     "format_bytes",
     "resolve_budget",
@@ -74,41 +72,6 @@ _VIEWS = {
     aten.alias.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
     aten._to_copy.default, aten.detach.default,
 }
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: object, option: str = "memory_budget") -> int:
-    """A byte count from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``,
-    ``"80GB"`` (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000; case-insensitive).
-
-    Raises ``GraphshardTypeError`` (not an int or str) or ``GraphshardValueError`` (not a
-    positive size), naming ``option``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise GraphshardTypeError(
-            f"graphshard backend option {option} must be a byte count (an int such as "
-            f"40 * 2**30, or a str such as '40GiB') or None, got {value!r} "
-            f"({type(value).__name__})"
-        )
-    if isinstance(value, int):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        unit = match and match.group(2).lower()
-        if match is None or unit not in _UNITS:
-            raise GraphshardValueError(
-                f"graphshard backend option {option} must be a size such as '40GiB', "
-                f"'512MiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
-            )
-        number = int(float(match.group(1)) * _UNITS[unit])
-    if number < 1:
-        raise GraphshardValueError(
-            f"graphshard backend option {option} must be positive (bytes of memory per rank), "
-            f"got {value!r}"
-        )
-    return int(number)
-
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it above 1 (``1.50 GiB``)."""
@@ -376,7 +339,6 @@ def _model(gm: fx.GraphModule, plan) -> _Step | None:
             fw_compute[segment[node]] += node_time(node, plan.profile)
             if any(u in backward for u in node.users):
                 saved[segment[node]] += tensor_bytes(node.meta["val"])
-    from graphshard.passes.plan import use_all_to_all
 
     backends = {n.meta.get("group_backend") for n in graph.nodes if is_reduce_grad(n)}
     all_to_all = use_all_to_all(plan.reduce_scatter_via, next(iter(sorted(

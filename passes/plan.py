@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import fx
 
-from graphshard.passes.auto_reshard import parse_bytes
 from graphshard.passes.cost_model import HardwareProfile, get_profile
 from graphshard.passes.errors import GraphshardTypeError, GraphshardValueError
 from graphshard.passes.markers import marker_args
 
-__all__ = ["Plan", "Bucket", "collect_buckets", "use_all_to_all", "ALL_TO_ALL_BACKENDS"]
+__all__ = [
+    "Plan", "Bucket", "collect_buckets", "use_all_to_all", "parse_bytes", "ALL_TO_ALL_BACKENDS",
+]
 
 
 BUCKETING = ("block", "size", "auto")
@@ -26,6 +28,41 @@ def use_all_to_all(via: str, backend: str | None) -> bool:
     """Whether a reduce-scatter asked for ``via`` (a ``Plan.reduce_scatter_via``) on a group
     of ``backend`` (None: unknown, e.g. offline) runs as an all-to-all plus a sum."""
     return via == "all_to_all" or (via == "auto" and backend in ALL_TO_ALL_BACKENDS)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: object, option: str = "memory_budget") -> int:
+    """A byte count from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``,
+    ``"80GB"`` (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000; case-insensitive).
+
+    Raises ``GraphshardTypeError`` (not an int or str) or ``GraphshardValueError`` (not a
+    positive size), naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise GraphshardTypeError(
+            f"graphshard backend option {option} must be a byte count (an int such as "
+            f"40 * 2**30, or a str such as '40GiB') or None, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = match and match.group(2).lower()
+        if match is None or unit not in _UNITS:
+            raise GraphshardValueError(
+                f"graphshard backend option {option} must be a size such as '40GiB', "
+                f"'512MiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+            )
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number < 1:
+        raise GraphshardValueError(
+            f"graphshard backend option {option} must be positive (bytes of memory per rank), "
+            f"got {value!r}"
+        )
+    return int(number)
 
 
 @dataclass(frozen=True)

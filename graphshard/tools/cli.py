@@ -1,4 +1,4 @@
-"""The ``graphshard`` command: offline graph dumps, what-if plans, machine calibration.
+"""The graphshard command: offline graph dumps, what-if plans, machine calibration.
 
     graphshard dump MODULE:FACTORY --world-size 8 --out DIR [--tp 2]
     graphshard plan --model llama3-8b --world-size 8,64,512,1024 --profile h100-nvlink
@@ -29,7 +29,7 @@ TP_HELP = (
 def _memory_budget(text: str) -> int:
     """``--memory-budget``: bytes, as ``graphshard.backend(memory_budget=...)`` takes them."""
     from graphshard.errors import GraphshardError
-    from graphshard.passes.auto_reshard import parse_bytes
+    from graphshard.passes.plan import parse_bytes
 
     try:
         return parse_bytes(int(text) if text.isdigit() else text, "--memory-budget")
@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     dump = sub.add_parser("dump", help="trace a model offline (fake ranks and tensors) and "
-                          "write its graphs, bucket table and predicted timeline")
+                          "write its graphs before and after every pass, bucket tables and "
+                          "predicted timelines (Perfetto JSON and PNG); see docs/dumps.md")
     dump.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, inputs), or "
                       "(model, inputs, tp_plan) for --tp")
     dump.add_argument("--world-size", type=int, default=8,
@@ -163,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(dump)
     dump.set_defaults(func=cmd_dump)
 
-    plan = sub.add_parser("plan", help="what-if: memory, traffic and predicted step time at "
-                          "several world sizes, from fake-tensor traces")
+    plan = sub.add_parser("plan", help="what-if: per-rank memory, traffic and predicted step "
+                          "time at several world sizes, from fake-tensor traces and the cost "
+                          "model; see docs/cost-model.md")
     plan.add_argument("--model", default="llama3-8b",
                       help="a preset of graphshard.models.llama (llama3-8b, llama3-70b, ...) "
                       "or MODULE:FACTORY")
@@ -184,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(plan)
     plan.set_defaults(func=cmd_plan, profile="h100-nvlink")
 
-    calibrate = sub.add_parser("calibrate", help="measure this machine's collectives and "
-                               "compute; save as a hardware profile")
+    calibrate = sub.add_parser("calibrate", help="measure this machine's gloo collectives and "
+                               "compute; save them as the hardware profile --name "
+                               "(default cpu-gloo, whose built-in figures they then "
+                               "override); see docs/cost-model.md")
     calibrate.add_argument("--world-size", type=int, default=2)
     calibrate.add_argument("--name", default="cpu-gloo")
     calibrate.add_argument("--bytes", type=int, default=32 * 2**20,
