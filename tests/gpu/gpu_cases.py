@@ -144,7 +144,7 @@ def _buffers_match(model: nn.Module, want: nn.Module, device: torch.device, what
 
 
 def case_meta_init(world: World, mode: str, how: str) -> None:
-    """README's large-model flow: build on the meta device, shard (allocating nothing),
+    """docs/large-models.md's flow: build on the meta device, shard (allocating nothing),
     ``to_empty`` on the device, then ``how``: "init" (``init_weights(seed)``, the values the
     unsharded model gets) or "broadcast" (rank 0's full state dict through
     ``set_model_state_dict(..., broadcast_from_rank0=True)``)."""
@@ -230,9 +230,9 @@ def hf_job(path: str) -> Job:
 
 
 def case_hf_llama(world: World, mode: str, path: str, way: str) -> None:
-    """README's Hugging Face flow: ``from_config`` on the meta device, shard, ``to_empty``
-    on the device, ``init_non_persistent_buffers``, ``load_safetensors`` (``way``:
-    "per_rank", each rank reads its rows; "rank0", rank 0 reads and broadcasts), against
+    """The Hugging Face flow of docs/large-models.md: ``from_config`` on the meta device,
+    shard, ``to_empty`` on the device, ``init_non_persistent_buffers``, ``load_safetensors``
+    (``way``: "per_rank", each rank reads its rows; "rank0", rank 0 reads and broadcasts), against
     ``from_pretrained`` in one process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
