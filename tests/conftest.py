@@ -1,10 +1,33 @@
-"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank."""
+"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank; the
+``one_rank`` fixture (a real one-rank gloo group in the test's own process)."""
 
 import os
 import sys
+import tempfile
+from datetime import timedelta
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def one_rank():
+    """A real one-rank gloo process group (a FileStore) in this process: a CPU-only run.
+    Yields the default group; afterwards the group is destroyed and Dynamo reset."""
+    import torch
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                                timeout=timedelta(seconds=60))
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+            torch._dynamo.reset()

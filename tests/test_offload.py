@@ -12,13 +12,11 @@ from __future__ import annotations
 import multiprocessing
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import offload_graphs
 import pytest
 import torch
-import torch.distributed as dist
 from graph_utils import fake_process_group
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -361,18 +359,6 @@ def test_lowering_copies_to_and_from_cuda_with_valid_values():
 # --------------------------------------------------------------------------- errors
 
 
-@pytest.fixture
-def gloo_rank(tmp_path):
-    """A real one-rank gloo process group: a CPU-only run."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _message_names_the_fix(error: pytest.ExceptionInfo) -> None:
     text = str(error.value)
     assert "on 'cpu'" in text and "nothing to offload" in text
@@ -380,7 +366,7 @@ def _message_names_the_fix(error: pytest.ExceptionInfo) -> None:
     assert "init_device_mesh('cuda'" in text
 
 
-def test_offload_on_a_cpu_only_run_says_why_and_what_to_change(gloo_rank):
+def test_offload_on_a_cpu_only_run_says_why_and_what_to_change(one_rank):
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError) as error:
         graphshard.shard(model, offload=graphshard.CPUOffload())  # mesh from the CPU params
@@ -391,7 +377,7 @@ def test_offload_on_a_cpu_only_run_says_why_and_what_to_change(gloo_rank):
     assert model.weight.shape == (4, 4)
 
 
-def test_offload_on_an_explicit_cpu_mesh_is_refused(gloo_rank):
+def test_offload_on_an_explicit_cpu_mesh_is_refused(one_rank):
     from torch.distributed.device_mesh import init_device_mesh
 
     with pytest.raises(ValueError) as error:
@@ -442,7 +428,7 @@ def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
 def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
-    gloo_rank, monkeypatch, param_dtype
+    one_rank, monkeypatch, param_dtype
 ):
     """Inductor lowers every copy the passes insert (it has no lowering of its own for
     ``aten._to_copy``, which it expects AOTAutograd to have decomposed), and the offloaded

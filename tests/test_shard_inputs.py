@@ -5,33 +5,14 @@ naming the real-view form that works), and a method other than ``forward``
 
 from __future__ import annotations
 
-import os
-import tempfile
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_ranks
 from graph_utils import fake_process_group
 from torch import nn
 
 import graphshard
 from graphshard.api.sharding import shard_state
-
-
-@pytest.fixture
-def one_rank():
-    """A real one-rank gloo group (a FileStore) in this process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                                timeout=timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-            torch._dynamo.reset()
 
 
 class Transposed(nn.Module):

@@ -3,14 +3,10 @@ buffer, no copy), and training matches the unsharded model step for step."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import Counter
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from graph_utils import TwoBlock, fake_process_group
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
@@ -114,20 +110,6 @@ def test_world1_mixed_precision_keeps_only_the_casts():
                 and n.meta[LOWERED]["side"] == "reduce_grad"]
     assert {n.meta["val"].dtype for n in bw_casts} == {torch.float32}
     assert len(bw_casts) == len(list(TwoBlock().parameters()))
-
-
-@pytest.fixture
-def one_rank():
-    """A real one-rank gloo group (a FileStore) in this process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                                timeout=timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-            torch._dynamo.reset()
 
 
 def _train(model: nn.Module, run, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
