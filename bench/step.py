@@ -34,7 +34,12 @@ Per system:
   ratio of the two round medians), summarised by its median, p10, p90, min and max over the
   rounds: below 1 means graphshard-compiled is faster.
 - ``compile_s``: the first step's time minus the median (first-step overhead; compilation
-  for the compiled systems).
+  for the compiled systems), with whatever Inductor cache the environment names.
+  ``--compile-cache cold-warm`` runs the whole bench twice on a new, empty cache directory:
+  ``compile_s`` is then the first run's (cold: nothing compiled before) and
+  ``compile_s_warm`` the second's (a restart of the same job in fresh processes; the other
+  numbers are the first run's). ``python -m bench.compile_time`` gives the first
+  forward+backward alone, cold and warm, by model depth.
 - ``peak_mem_bytes``: peak tensor memory of the most loaded rank during the extra profiled
   steps after the timed ones (``--profiled-steps``, default one). CPU: the model state
   alive when the step starts (parameters, buffers, gradients and optimizer state, unique
@@ -185,6 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds a collective may wait"
     )
+    parser.add_argument(
+        "--compile-cache", default="inherit", choices=["inherit", "cold-warm"],
+        help="inherit: the environment's Inductor cache; cold-warm: run twice on a new empty "
+        "cache directory, compile_s from the first run (cold), compile_s_warm from the second",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.fake_world is not None:
         if args.fake_world < 1:
@@ -539,6 +549,25 @@ def _spawn(args: argparse.Namespace) -> list[dict]:
         return json.loads(Path(out_path).read_text())
 
 
+def _spawn_cold_warm(args: argparse.Namespace) -> list[dict]:
+    """:func:`_spawn` twice on a new, empty Inductor cache directory: the first run's records
+    with ``compile_s_warm``, the second run's ``compile_s``, added to each."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # inherited by the spawned ranks
+        try:
+            cold = _spawn(args)
+            warm = {r["system"]: r for r in _spawn(args)}
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    for record in cold:
+        record["compile_s_warm"] = warm.get(record["system"], {}).get("compile_s")
+    return cold
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark: write ``--json`` (and ``--markdown``), print the table, return it."""
     args = parse_args(argv)
@@ -547,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
     param_dtype = MIXED_PRECISION[args.mixed_precision]
     b_param = 4 if param_dtype is None else param_dtype.itemsize
     start, load_start = time.perf_counter(), _load_average()
-    records = _spawn(args)
+    records = _spawn(args) if args.compile_cache == "inherit" else _spawn_cold_warm(args)
     report = {
         "machine": {**machine_info(args.device), "load_average": [load_start, _load_average()]},
         "config": {**vars(args), "wall_s": time.perf_counter() - start},

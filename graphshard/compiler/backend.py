@@ -8,6 +8,8 @@ inference graph before Inductor. A graph that follows a graph break warns with i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -22,12 +24,19 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard.analysis.report import write_schedule
 from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (registers kernels)
-from graphshard.compiler.cache_key import meshes_pickle_without_hash
+from graphshard.compiler.cache_key import (
+    aot_cacheable,
+    meshes_pickle_without_hash,
+    plan_in_cache_key,
+    plan_out_of_fx_key,
+)
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_facts, run_passes
+from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.errors import GraphshardTypeError
 from graphshard.passes import Plan
+from graphshard.passes.reshard import plan_after_joint
 from graphshard.safety.fingerprint import check_compile_plan
 from graphshard.safety.guards import refuse_unsharded_parameters
 from graphshard.safety.mutation import refuse_gathered_parameter_mutation
@@ -50,18 +59,28 @@ def _detached_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+              share: CompileShare | None = None, **kwargs: Any):
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
     gm = _detached_copy(gm)
-    # Inductor's peak-memory reordering would undo the collective schedule the passes chose.
-    # Meshes among the inputs must not carry a per-process hash into the FX-cache key.
-    with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash():
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def compile_() -> Any:
+        # Inductor's peak-memory reordering would undo the collective schedule the passes
+        # chose. Meshes among the inputs must not carry a per-process hash into the FX-cache
+        # key; nor the plan (``aot_cache``): the passes' output is the whole story there.
+        with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash(), \
+                plan_out_of_fx_key():
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    if share is None:
+        return compile_()
+    return share.compile(gm, example_inputs, compile_, **kwargs)
 
 
-def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+           share: CompileShare | None = None, **kwargs: Any):
     from torch._functorch.aot_autograd import make_boxed_func
 
     return make_boxed_func(gm.forward)
@@ -75,10 +94,23 @@ class GraphshardBackend:
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
         inductor: compile the transformed graphs with Inductor (default); False runs them
             as they are, op by op, which is slower but shows exactly what the passes built.
+        share_compiled: compile each distinct graph on one rank only and let the ranks
+            with the same graph load its artifacts through the process group's store
+            (:mod:`graphshard.compiler.share`). ``"auto"`` (default): on with Inductor,
+            more than one rank and a real backend (gloo, NCCL); ``True``: the same (there is
+            nothing to share otherwise); ``False``: every rank compiles for itself.
+        share_timeout_s: how long a rank waits for another rank's artifacts before it
+            compiles the graph itself (default 900 s).
+        aot_cache: let AOTAutograd's own cache (``AOTAutogradCache``) answer a graph it has
+            seen, keyed by the Dynamo graph, the plan and graphshard's source
+            (:func:`graphshard.compiler.cache_key.plan_in_cache_key`): a warm restart then
+            skips AOTAutograd's tracing, the partitioner and graphshard's passes. On such a
+            hit no pass runs, so :attr:`graphs` holds no graph for it and the schedule
+            summaries have nothing to read; off by default for that reason.
         **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
             ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
-            ``reduce_scatter_via``).
+            ``reduce_scatter_via``, ``memory_budget``).
 
     Raises:
         GraphshardTypeError: an unknown option, or an option of the wrong type (a str for
@@ -87,11 +119,16 @@ class GraphshardBackend:
     """
 
     def __init__(
-        self, *, dump_dir: str | None = None, inductor: bool = True, **plan_options: Any
+        self, *, dump_dir: str | None = None, inductor: bool = True,
+        share_compiled: bool | str = "auto", share_timeout_s: float = 900.0,
+        aot_cache: bool = False,
+        **plan_options: Any,
     ) -> None:
         unknown = set(plan_options) - {f.name for f in fields(Plan)}
         if unknown:
-            known = ", ".join(["dump_dir", "inductor", *(f.name for f in fields(Plan))])
+            known = ", ".join(["dump_dir", "inductor", "share_compiled", "share_timeout_s",
+                               "aot_cache",
+                               *(f.name for f in fields(Plan))])
             raise GraphshardTypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
                             f"known: {known}")
         if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
@@ -105,8 +142,32 @@ class GraphshardBackend:
                 f"False (run the transformed graphs op by op), got {inductor!r} "
                 f"({type(inductor).__name__})"
             )
+        if share_compiled not in (True, False, "auto"):
+            raise GraphshardTypeError(
+                f"graphshard backend option share_compiled must be True, False or 'auto', "
+                f"got {share_compiled!r} ({type(share_compiled).__name__})"
+            )
+        if isinstance(share_timeout_s, bool) or not isinstance(share_timeout_s, (int, float)) \
+                or not share_timeout_s >= 0:
+            raise GraphshardTypeError(
+                f"graphshard backend option share_timeout_s must be a number of seconds >= 0, "
+                f"got {share_timeout_s!r} ({type(share_timeout_s).__name__})"
+            )
         self.dump_dir = dump_dir
         self.inductor = inductor
+        if not isinstance(aot_cache, bool):
+            raise GraphshardTypeError(
+                f"graphshard backend option aot_cache must be True or False, got "
+                f"{aot_cache!r} ({type(aot_cache).__name__})"
+            )
+        self.aot_cache = aot_cache
+        self.aot_cache_hits = 0  # Dynamo graphs AOTAutogradCache answered (no pass ran)
+        self.share_compiled = share_compiled
+        self.share_timeout_s = float(share_timeout_s)
+        # the store channel of share_compiled, made at the first compile (the process group
+        # may not exist yet when the backend is built); None: every rank compiles alone
+        self.share: CompileShare | None = None
+        self._share_resolved = False
         self.plan = Plan(**plan_options)
         # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
         self.graphs: list[dict[str, fx.GraphModule]] = []
@@ -133,10 +194,13 @@ class GraphshardBackend:
         gm = run("dynamo", gm)
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+            nonlocal plan
             joint = run("joint", joint)
+            plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-        finish = _inductor if self.inductor else _eager
+        finish = functools.partial(_inductor if self.inductor else _eager,
+                                   share=self._resolve_share())
 
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
             return finish(run("fw", fw), inputs)
@@ -149,16 +213,31 @@ class GraphshardBackend:
 
         from torch._inductor.decomposition import select_decomp_table
 
+        compilers: dict[str, Any] = {"fw_compiler": fw_compiler, "bw_compiler": bw_compiler,
+                                     "inference_compiler": inference_compiler}
+        key = contextlib.nullcontext()
+        if self.inductor and self.aot_cache:
+            compilers = aot_cacheable(compilers)
+            key = plan_in_cache_key(plan)
         compiler = aot_autograd(
-            fw_compiler=fw_compiler,
-            bw_compiler=bw_compiler,
-            inference_compiler=inference_compiler,
+            **compilers,
             partition_fn=partition,
             decompositions=select_decomp_table(),
         )
-        compiled = compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
+        with key, meshes_pickle_without_hash():
+            compiled = compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
+        if not stages.get("fw") and not stages.get("inference"):
+            self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
         TRACKER.graph_compiled(gm, stages, plan.profile)
         return compiled
+
+    def _resolve_share(self) -> CompileShare | None:
+        """The store channel for ``share_compiled`` (made once, at the first compile)."""
+        if not self._share_resolved:
+            self._share_resolved = True
+            if self.inductor and self.share_compiled:
+                self.share = share_from_default_group(self.share_timeout_s)
+        return self.share
 
 
 def backend(**options: Any) -> GraphshardBackend:

@@ -1,4 +1,15 @@
-"""A stable Inductor FX-graph cache key for graphs that hold a ``DeviceMesh``.
+"""Cache keys for graphshard's compiles: stable across processes and ranks, and complete.
+
+Three things here, each so that a second launch of the same job (or another rank) reuses
+compiled code, and never reuses code it must not:
+
+- :func:`meshes_pickle_without_hash`: a stable Inductor FX-graph key for graphs that hold a
+  ``DeviceMesh`` (below);
+- :func:`plan_in_cache_key`: graphshard's plan and source in the keys, for the backend option
+  ``aot_cache`` (AOTAutogradCache knows nothing of the partitioner and passes graphshard hands
+  it);
+- :func:`aot_cacheable`: the compilers marked serialisable, which is what lets AOTAutogradCache
+  store and answer graphshard's graphs at all.
 
 DTensor parameters put their ``DeviceMesh`` into the traced graphs as opaque inputs, and
 Inductor's FX-graph cache pickles those inputs into its key. ``DeviceMesh.__getstate__``
@@ -7,26 +18,44 @@ is randomised per process (``PYTHONHASHSEED``). So every process computed a new 
 cache never hit for a graphshard graph: every restart, every rank and every test recompiled
 from scratch. While graphshard's backend compiles, meshes pickle without that field; the rest
 of the mesh (ranks, layout, device type, dimension names, group names) stays in the key.
+
+The mesh also records this process's rank (``_rank``, ``_coordinate_on_dim``), so rank 0's
+and rank 1's keys differed for the very same compiled code, and one rank's artifacts
+(:mod:`graphshard.compiler.share`) could never hit on another. Those fields leave the key too.
+That is safe: a mesh is an input of the compiled graph, read at run time from the live
+object; whatever tracing took from it (a rank, a coordinate) is a constant in the graph's code,
+which is in the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["meshes_pickle_without_hash"]
+__all__ = ["PER_PROCESS_FIELDS", "aot_cacheable", "meshes_pickle_without_hash",
+           "plan_in_cache_key", "plan_out_of_fx_key", "source_digest"]
+
+# ``_hash``: per-process hash seed (recomputed lazily by ``__hash__``); ``_rank`` and
+# ``_coordinate_on_dim``: this process's place in the mesh.
+PER_PROCESS_FIELDS = ("_hash", "_rank", "_coordinate_on_dim")
 
 
 @contextlib.contextmanager
 def meshes_pickle_without_hash() -> Iterator[None]:
-    """Within the block, pickling a ``DeviceMesh`` leaves out its per-process ``_hash``."""
+    """Within the block, pickling a ``DeviceMesh`` leaves out what differs per process
+    (:data:`PER_PROCESS_FIELDS`)."""
     original = DeviceMesh.__getstate__
 
     def getstate(mesh: DeviceMesh) -> dict:
         state = dict(original(mesh))
-        state.pop("_hash", None)  # recomputed lazily by __hash__ after unpickling
+        for name in PER_PROCESS_FIELDS:
+            state.pop(name, None)
         return state
 
     DeviceMesh.__getstate__ = getstate
@@ -34,3 +63,91 @@ def meshes_pickle_without_hash() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__getstate__ = original
+
+
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    """SHA-256 of graphshard's and its passes' Python source (every ``.py`` file under the
+    ``graphshard`` package and the passes package): pass output depends on this code."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        import graphshard
+        import graphshard.passes
+
+        h = hashlib.sha256()
+        for package in (graphshard, graphshard.passes):
+            root = Path(package.__file__).resolve().parent
+            for path in sorted(root.rglob("*.py")):
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+class _GraphshardKey(CustomGraphPass):
+    """A pass that does nothing and exists for its :meth:`uuid`: set as Inductor's
+    ``joint_custom_pre_pass`` (which graphshard's path never runs: it calls
+    ``compile_fx_inner``, after the joint graph), it carries graphshard's plan and source
+    into AOTAutograd's and Inductor's cache keys."""
+
+    def __init__(self, digest: str, chained: Any) -> None:
+        self.digest = digest
+        self.chained = chained
+
+    def __call__(self, graph: Any) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Any:
+        chained = self.chained.uuid() if self.chained is not None else None
+        return (self.digest, chained)
+
+
+@contextlib.contextmanager
+def plan_in_cache_key(plan: Any) -> Iterator[None]:
+    """Within the block, AOTAutograd's and Inductor's cache keys include ``plan`` (its repr),
+    graphshard's source (:func:`source_digest`) and the default process group's backend:
+    everything besides the Dynamo graph that decides what graphshard's passes produce.
+
+    Why: AOTAutogradCache keys an entry by the Dynamo graph and the compile configuration
+    only; a custom partitioner and the compilers graphshard hands AOTAutograd are not in it,
+    so without this a changed plan or a changed pass would silently reuse stale code."""
+    import torch.distributed as dist
+    from torch._inductor import config
+
+    group = (str(dist.get_backend()), dist.get_world_size()) \
+        if dist.is_available() and dist.is_initialized() else None
+    digest = hashlib.sha256(repr((plan, group, source_digest())).encode()).hexdigest()
+    current = config.joint_custom_pre_pass
+    if isinstance(current, _GraphshardKey):
+        current = current.chained
+    with config.patch(joint_custom_pre_pass=_GraphshardKey(digest, current)):
+        yield
+
+
+def aot_cacheable(compilers: dict[str, Any]) -> dict[str, Any]:
+    """``compilers`` (``fw_compiler``, ``bw_compiler``, ``inference_compiler`` returning
+    Inductor's compiled graphs) marked serialisable, which is what turns AOTAutogradCache on
+    for a backend built with ``aot_autograd``."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+
+    return {name: SerializableAOTDispatchCompiler(OutputCode, fn)
+            for name, fn in compilers.items()}
+
+
+@contextlib.contextmanager
+def plan_out_of_fx_key() -> Iterator[None]:
+    """Within the block, Inductor's FX-graph key leaves out what :func:`plan_in_cache_key`
+    added: the graph Inductor compiles is the passes' output, a complete key by itself, so a
+    change of graphshard's source that leaves a graph unchanged still hits."""
+    from torch._inductor import config
+
+    current = config.joint_custom_pre_pass
+    if not isinstance(current, _GraphshardKey):
+        yield
+        return
+    with config.patch(joint_custom_pre_pass=current.chained):
+        yield

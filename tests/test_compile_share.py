@@ -1,0 +1,193 @@
+"""One compilation for N ranks (``share_compiled``): the first rank to reach a graph compiles
+it and publishes the artifacts through the store; the others load them, unless what they
+find is partial or corrupted, in which case they compile themselves.
+
+The protocol is tested in one process on a ``HashStore`` (two ``CompileShare`` objects play
+two ranks); one launch of two real gloo ranks, each with its own empty Inductor cache, checks
+that rank 1 compiles nothing for a graph rank 0 published, compiles everything itself when
+the published artifacts are corrupted, and computes the same numbers either way.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphshard.compiler import share as share_mod
+from graphshard.compiler.share import CompileShare, decode, encode
+from graphshard.errors import GraphshardTypeError
+
+
+def test_frames_reject_truncation_and_corruption():
+    blob = encode(b"artifacts" * 100)
+    assert decode(blob) == b"artifacts" * 100
+    assert decode(blob[:-1]) is None  # partial write
+    assert decode(blob[:10]) is None
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0xFF
+    assert decode(bytes(flipped)) is None  # corruption
+    assert decode(b"") is None
+
+
+class _Graph:
+    code = "def forward(self, x): return x"
+
+
+@pytest.fixture
+def fake_cache(monkeypatch):
+    """torch.compiler's artifact save/load replaced by a record of what was loaded."""
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled!", None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    return loaded
+
+
+def _pair(timeout_s: float = 5.0) -> tuple[CompileShare, CompileShare]:
+    store = dist.HashStore()
+    return CompileShare(store, 0, timeout_s), CompileShare(store, 1, timeout_s)
+
+
+def test_the_second_rank_loads_what_the_first_published(fake_cache):
+    first, second = _pair()
+    inputs = [torch.zeros(2, 3)]
+    assert first.compile(_Graph(), inputs, lambda: "fw0") == "fw0"
+    assert second.compile(_Graph(), inputs, lambda: "fw1") == "fw1"  # a cache hit after load
+    assert fake_cache == [b"compiled!"]
+    assert (first.stats.published, second.stats.loaded, second.stats.compiled_alone) == (1, 1, 0)
+
+
+def test_different_graphs_never_wait_for_each_other(fake_cache):
+    first, second = _pair(timeout_s=60)
+    first.compile(_Graph(), [torch.zeros(2, 3)], lambda: None)
+    second.compile(_Graph(), [torch.zeros(4, 3)], lambda: None)  # other shape: claims its own
+    assert fake_cache == [] and second.stats.published == 1
+
+
+def test_corrupted_artifacts_are_ignored(fake_cache, monkeypatch):
+    first, second = _pair()
+    monkeypatch.setattr(share_mod, "encode", lambda payload: encode(payload)[:-1] + b"?")
+    first.compile(_Graph(), [], lambda: None)
+    second.compile(_Graph(), [], lambda: None)
+    assert fake_cache == [] and second.stats.compiled_alone == 1
+    assert "corrupted" in second.stats.reasons[0]
+
+
+def test_a_publisher_that_died_mid_write_is_not_loaded(fake_cache):
+    first, second = _pair(timeout_s=0.2)
+    digest = share_mod.graph_digest(_Graph(), [])
+    first.store.add(first._key(digest, "claim"), 1)  # claimed ...
+    first.store.set(first._key(digest, "data"), encode(b"compiled!")[:7])  # ... half-written
+    assert second.compile(_Graph(), [], lambda: "own") == "own"
+    assert fake_cache == [] and "no artifacts after" in second.stats.reasons[0]
+
+
+def test_a_failed_compile_releases_the_waiters_at_once(fake_cache):
+    first, second = _pair(timeout_s=60)
+
+    def fails():
+        raise RuntimeError("inductor failed")
+
+    with pytest.raises(RuntimeError):
+        first.compile(_Graph(), [], fails)
+    second.compile(_Graph(), [], lambda: None)
+    assert second.stats.reasons == ["its publisher failed"]
+
+
+def test_options_are_checked():
+    import graphshard
+
+    with pytest.raises(GraphshardTypeError):
+        graphshard.backend(share_compiled="yes")
+    with pytest.raises(GraphshardTypeError):
+        graphshard.backend(share_timeout_s=-1)
+    assert graphshard.backend(share_compiled=False).share_compiled is False
+
+
+def _two_models(seed: int, dims: tuple[int, int, int]) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    a, b, c = dims
+    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU(), torch.nn.Linear(b, c))
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, compiled: bool):
+    import graphshard
+
+    graphshard.shard(model)
+    backend = graphshard.backend()
+    run = torch.compile(model, backend=backend) if compiled else model
+    loss = run(x).square().mean()
+    loss.backward()
+    grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+    return loss.detach(), grads, backend
+
+
+def _counts() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    counts = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    # seconds in the C++ compiler (reported in the failure message, not asserted)
+    counts["compile_file_s"] = sum(compilation_time_metrics.get("compile_file", []))
+    return counts
+
+
+def _shared_compile_job(rank: int, world_size: int) -> dict:
+    # an empty Inductor cache of its own: a hit can only come from what rank 0 published
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"share_rank{rank}_")
+    torch.manual_seed(123)
+    x = torch.randn(4, 16)
+    result: dict = {}
+    for name, dims, corrupt in (("good", (16, 24, 8), False), ("corrupt", (16, 40, 12), True)):
+        if corrupt:  # on both: whichever rank reaches the graph first publishes
+            share_mod.encode = lambda payload: encode(payload)[:-3] + b"bad"
+        before = _counts()
+        loss, grads, backend = _run(_two_models(0, dims), x, compiled=True)
+        after = _counts()
+        ref_loss, ref_grads, _ = _run(_two_models(0, dims), x, compiled=False)
+        stats = backend.share.stats
+        result[name] = {
+            "delta": {k: after[k] - before[k] for k in after if k != "compile_file_s"},
+            "compile_file_s": after["compile_file_s"] - before["compile_file_s"],
+            "loss": loss, "grads": grads, "ref_loss": ref_loss, "ref_grads": ref_grads,
+            "stats": (stats.published, stats.loaded, stats.compiled_alone),
+            "reasons": list(stats.reasons),
+        }
+        share_mod.encode = encode
+    return result
+
+
+def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
+    from dist_utils import run_ranks
+
+    rank0, rank1 = run_ranks(_shared_compile_job, 2)
+    print({f"rank{r}": {case: (v["delta"], round(v["compile_file_s"], 2), v["reasons"])
+                         for case, v in result.items()}
+           for r, result in enumerate((rank0, rank1))})
+    # each graph (forward, backward) compiled once in the job: by whichever rank reached it
+    # first (rank 0 or 1, each may take one), the other rank loaded it and compiled nothing
+    good = (rank0["good"], rank1["good"])
+    assert sum(r["delta"]["fxgraph_cache_miss"] for r in good) == 2
+    assert sum(r["delta"]["fxgraph_cache_hit"] for r in good) == 2
+    assert [sum(r["stats"][i] for r in good) for i in range(3)] == [2, 2, 0]
+    for r in good:  # a rank's misses are exactly the graphs it published
+        assert r["delta"]["fxgraph_cache_miss"] == r["stats"][0]
+    # corrupted on the way: each graph's publisher (whichever rank reached it first: the
+    # forward's and the backward's may differ) compiled it, the other rank found the artifacts
+    # corrupted and compiled it itself; nothing was loaded
+    bad = (rank0["corrupt"], rank1["corrupt"])
+    assert [sum(r["stats"][i] for r in bad) for i in range(3)] == [2, 0, 2]
+    assert all(r["delta"]["fxgraph_cache_miss"] == 2 for r in bad)
+    reasons = [reason for r in bad for reason in r["reasons"]]
+    assert len(reasons) == 2 and all("corrupted" in reason for reason in reasons)
+    for r in (rank0, rank1):
+        for case in r.values():  # numerics identical, shared or not, to the eager model's
+            torch.testing.assert_close(case["loss"], case["ref_loss"])
+            for got, want in zip(case["grads"], case["ref_grads"], strict=True):
+                torch.testing.assert_close(got, want)
+    for case in ("good", "corrupt"):  # and bit for bit across the ranks
+        assert torch.equal(rank0[case]["loss"], rank1[case]["loss"])
+        for a, b in zip(rank0[case]["grads"], rank1[case]["grads"], strict=True):
+            assert torch.equal(a, b)
