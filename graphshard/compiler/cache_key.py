@@ -73,12 +73,11 @@ def source_digest() -> str:
     ``graphshard`` package and the passes package): pass output depends on this code."""
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
-        import graphshard
-        import graphshard.passes
+        import graphshard.passes as passes_package
 
         h = hashlib.sha256()
-        for package in (graphshard, graphshard.passes):
-            root = Path(package.__file__).resolve().parent
+        package_root = Path(__file__).resolve().parents[1]  # graphshard/
+        for root in (package_root, Path(passes_package.__file__).resolve().parent):
             for path in sorted(root.rglob("*.py")):
                 h.update(str(path.relative_to(root)).encode())
                 h.update(path.read_bytes())
