@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from graphshard.compiler.cache_key import aot_cache_unsupported
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _JOB = r"""
@@ -44,6 +48,8 @@ def _run(tmp_path: Path, name: str, prefetch_depth: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(aot_cache_unsupported() is not None,
+                    reason="this torch's AOTAutogradCache refuses DTensor.to_local() (torch 2.11)")
 def test_a_restart_is_answered_by_aot_autograd_cache_and_a_new_plan_is_not(tmp_path):
     first = _run(tmp_path, "s1", 1)
     assert first["aot"].get("autograd_cache_saved") == 1 and first["hits"] == 0

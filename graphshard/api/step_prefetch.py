@@ -61,6 +61,12 @@ PER_PARAMETER: frozenset[type[torch.optim.Optimizer]] = frozenset({
 
 _STATS: Counter[str] = Counter()
 
+# The all-gather into one tensor: ``dist.all_gather_single`` where torch has it (2.13 and 2.14
+# do, and warn that ``all_gather_into_tensor`` is deprecated), else (torch 2.11)
+# ``dist.all_gather_into_tensor``, the same collective under its older name.
+_all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def stats() -> dict[str, int]:
     """Counts since the last :func:`reset_stats`: ``issued`` (gathers the step issued),
@@ -294,8 +300,7 @@ def _issue(recipes: list[tuple[tuple[int, str], _Recipe]]) -> None:
         if old is not None:
             _drain(old)
         gathered = sent.new_empty(recipe.group_size * sent.numel())
-        # all_gather_into_tensor: in every supported torch (all_gather_single is not in 2.11)
-        work = dist.all_gather_into_tensor(gathered, sent, _resolve_process_group(
+        work = _all_gather_single(gathered, sent, _resolve_process_group(
             recipe.group_name), async_op=True)
         _SLOTS[key] = _Slot(sent, gathered, work)
         _STATS["issued"] += 1

@@ -25,6 +25,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from graphshard.analysis.report import write_schedule
 from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (registers kernels)
 from graphshard.compiler.cache_key import (
+    aot_cache_unsupported,
     aot_cacheable,
     meshes_pickle_without_hash,
     plan_in_cache_key,
@@ -34,7 +35,7 @@ from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.compiler.share import CompileShare, share_from_default_group
-from graphshard.errors import GraphshardTypeError
+from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
 from graphshard.passes import Plan
 from graphshard.passes.reshard import plan_after_joint
 from graphshard.safety.fingerprint import check_compile_plan
@@ -106,7 +107,8 @@ class GraphshardBackend:
             (:func:`graphshard.compiler.cache_key.plan_in_cache_key`): a warm restart then
             skips AOTAutograd's tracing, the partitioner and graphshard's passes. On such a
             hit no pass runs, so :attr:`graphs` holds no graph for it and the schedule
-            summaries have nothing to read; off by default for that reason.
+            summaries have nothing to read; off by default for that reason. Needs torch 2.13
+            or newer (torch 2.11's cache refuses graphs that call ``DTensor.to_local()``).
         **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
             ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
@@ -116,6 +118,8 @@ class GraphshardBackend:
         GraphshardTypeError: an unknown option, or an option of the wrong type (a str for
             ``prefetch_depth``, ``"no"`` for a bool); checked here, before any compile.
         GraphshardValueError: an option's value is out of range (``prefetch_depth=-1``).
+        GraphshardNotImplementedError: ``aot_cache=True`` on a torch whose AOTAutogradCache
+            cannot hold graphshard's graphs (torch 2.11; 2.13 and newer can).
     """
 
     def __init__(
@@ -160,6 +164,8 @@ class GraphshardBackend:
                 f"graphshard backend option aot_cache must be True or False, got "
                 f"{aot_cache!r} ({type(aot_cache).__name__})"
             )
+        if aot_cache and (why := aot_cache_unsupported()) is not None:
+            raise GraphshardNotImplementedError(why)
         self.aot_cache = aot_cache
         self.aot_cache_hits = 0  # Dynamo graphs AOTAutogradCache answered (no pass ran)
         self.share_compiled = share_compiled

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -124,6 +125,26 @@ def plan_in_cache_key(plan: Any) -> Iterator[None]:
         current = current.chained
     with config.patch(joint_custom_pre_pass=_GraphshardKey(digest, current)):
         yield
+
+
+def aot_cache_unsupported() -> str | None:
+    """Why AOTAutogradCache cannot answer graphshard's graphs on the installed torch, or None
+    where it can (torch 2.13 and 2.14 can).
+
+    torch 2.11's Dynamo records ``DTensor.to_local()`` as a call of a function it makes on the
+    fly (``prim_to_local``, from ``TensorVariable.method_to_local``), which AOTAutogradCache
+    refuses: every graph reading a sharded parameter bypasses the cache
+    (pytorch/pytorch#167349). Later versions trace ``to_local`` like any method."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    if hasattr(TensorVariable, "method_to_local"):
+        return (
+            f"aot_cache=True needs a torch whose AOTAutogradCache accepts DTensor.to_local() "
+            f"(torch 2.13 or newer); torch {torch.__version__}'s bypasses every graph that "
+            "reads a sharded parameter (pytorch/pytorch#167349). Upgrade torch or leave "
+            "aot_cache off (Inductor's FX-graph cache still serves warm restarts)."
+        )
+    return None
 
 
 def aot_cacheable(compilers: dict[str, Any]) -> dict[str, Any]:

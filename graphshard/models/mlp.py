@@ -44,5 +44,14 @@ class OddMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> MLPOutput:
         out = self.layers(x)
-        loss = None if y is None else F.mse_loss(out, y)
-        return MLPOutput(loss, out)
+        return MLPOutput(None if y is None else _mse_loss(out, y), out)
+
+
+def _mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``F.mse_loss(out, y)``, with both in their promoted dtype first where they differ (a
+    bf16 output, fp32 targets): torch 2.11's mse_loss backward fails on mixed dtypes. The
+    forward already computes in the promoted dtype, so the loss is the same."""
+    if out.dtype != y.dtype:
+        dtype = torch.promote_types(out.dtype, y.dtype)
+        out, y = out.to(dtype), y.to(dtype)
+    return F.mse_loss(out, y)
