@@ -117,7 +117,7 @@ def _run(model: torch.nn.Module, x: torch.Tensor, compiled: bool):
     import graphshard
 
     graphshard.shard(model)
-    backend = graphshard.backend()
+    backend = graphshard.backend(share_compiled=True)
     run = torch.compile(model, backend=backend) if compiled else model
     loss = run(x).square().mean()
     loss.backward()
