@@ -31,7 +31,8 @@ times, memory and losses can be read side by side:
   local batch (the compute floor); the other ranks wait.
 - ``graphshard-compiled[option=value,...]``: a variant of graphshard-compiled with other
   options (:func:`variant_options`), e.g. ``graphshard-compiled[bucketing=size,
-  bucket_bytes=8000000]`` or ``graphshard-compiled[reshard_after_forward=False]``: interleaved
+  bucket_bytes=8000000]``, ``graphshard-compiled[reshard_after_forward=False]`` or
+  ``graphshard-compiled[compile_blocks_once=False]``: interleaved
   with the default in one run, it measures what an option changes on this machine.
 
 Mixed precision (``--mixed-precision bf16|fp16``, :data:`MIXED_PRECISION`) is each system's
@@ -103,7 +104,7 @@ SYSTEMS: tuple[str, ...] = (
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
 _VARIANT = re.compile(r"graphshard-compiled\[(?P<options>.*)\]")
 # The options a variant passes to ``graphshard.shard``; the rest go to ``graphshard.backend``.
-SHARD_OPTIONS = frozenset({"reshard_after_forward"})
+SHARD_OPTIONS = frozenset({"reshard_after_forward", "compile_blocks_once"})
 
 
 def variant_options(name: str) -> dict[str, Any] | None:

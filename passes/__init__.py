@@ -15,6 +15,7 @@ from graphshard.passes.merge_reduce_grad import merge_reduce_grad
 from graphshard.passes.overlap_reduce import overlap_reduce
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
+from graphshard.passes.regions import parameters_first_in_regions, rewire_region_passthrough
 from graphshard.passes.reshard import reshard
 from graphshard.passes.split_reduce import split_last_reduce
 from graphshard.passes.step_prefetch import step_prefetch
@@ -35,8 +36,10 @@ __all__ = [
     "lower_unshard",
     "merge_reduce_grad",
     "overlap_reduce",
+    "parameters_first_in_regions",
     "prefetch",
     "reshard",
+    "rewire_region_passthrough",
     "split_last_reduce",
     "step_prefetch",
 ]

@@ -330,8 +330,22 @@ def _sdpa_flops(q: list[int], k: list[int], v: list[int]) -> int:
 
 
 @_names_node
+def _region_nodes(node: fx.Node) -> list[fx.Node] | None:
+    """The nodes a block region's call (``invoke_subgraph``) runs; None for other nodes."""
+    if node.op != "call_function" or node.target is not getattr(
+            torch.ops.higher_order, "invoke_subgraph", None):
+        return None
+    from graphshard.passes.regions import region_body
+
+    return list(region_body(node).graph.nodes)
+
+
 def node_flops(node: fx.Node) -> int:
-    """FLOPs of matmul-like ``node`` (a multiply-add counts 2); 0 for other ops."""
+    """FLOPs of matmul-like ``node`` (a multiply-add counts 2), or of every node a block
+    region's call runs; 0 for other ops."""
+    body = _region_nodes(node)
+    if body is not None:
+        return sum(node_flops(n) for n in body)
     if node.op != "call_function" or "val" not in node.meta:
         return 0
     target, args = node.target, node.args
@@ -388,6 +402,9 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
         if kind == "all_to_all":
             return all_to_all_time(tensor_bytes(node.args[0].meta["val"]), size, profile)
         return all_reduce_time(tensor_bytes(node.meta["val"]), size, profile)
+    body = _region_nodes(node)
+    if body is not None:  # a block region: what its body's nodes take
+        return sum(node_time(n, profile, world_size=world_size) for n in body)
     if _is_free(node):
         return 0.0
     flops = node_flops(node)

@@ -112,7 +112,7 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
             fail(node, "an unshard marker after lower_unshard")
         if "lower_reduce_grad" in done and is_reduce_grad(node):
             fail(node, "a reduce_grad marker after lower_reduce_grad")
-        if stage in _AOT_STAGES and "val" not in node.meta:
+        if stage in _AOT_STAGES and "val" not in node.meta and not _is_profiler_op(node):
             fail(node, 'no meta["val"]')
         if is_collective_start(node):
             waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
@@ -120,6 +120,12 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
                 fail(node, f"a collective waited on {len(waits)} times (must be once)")
 
 
+
+
+def _is_profiler_op(node: fx.Node) -> bool:
+    """A ``record_function`` range (Dynamo adds them around a region's call under an active
+    profiler): it returns a handle, not a tensor, so it has no value to record."""
+    return getattr(node.target, "namespace", None) == "profiler"
 
 
 def _by_kind(order: list[tuple[str, int]]) -> dict[str, list[int]]:

@@ -51,7 +51,10 @@ def derived_from(*gathers: fx.Node) -> set[fx.Node]:
     return found
 
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# A block region's call (``invoke_subgraph``, ``shard(compile_blocks_once=True)``) stands for
+# the matmuls of its body: the step graph's compute, for the schedule's purposes.
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+           torch.ops.higher_order.invoke_subgraph}
 
 
 def derived_before_matmul(node: fx.Node) -> set[fx.Node]:

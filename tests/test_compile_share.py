@@ -43,6 +43,9 @@ def fake_cache(monkeypatch):
     loaded: list[bytes] = []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled!", None))
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    # the two "ranks" of these tests live in one process: by default they play ranks with
+    # cache directories of their own (an unknown directory is never taken for a shared one)
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: None)
     return loaded
 
 
@@ -95,6 +98,61 @@ def test_a_failed_compile_releases_the_waiters_at_once(fake_cache):
         first.compile(_Graph(), [], fails)
     second.compile(_Graph(), [], lambda: None)
     assert second.stats.reasons == ["its publisher failed"]
+
+
+def test_ranks_that_share_a_cache_directory_load_nothing(fake_cache, monkeypatch):
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:1:2:/cache")
+    first, second = _pair()
+    first.compile(_Graph(), [], lambda: None)
+    assert second.compile(_Graph(), [], lambda: "hit") == "hit"
+    assert fake_cache == []  # the publisher's entries are in that directory already
+    assert (second.stats.loaded, second.stats.same_cache_dir) == (1, 1)
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:1:3:/other")
+    third = CompileShare(first.store, 2, 5.0)
+    third.compile(_Graph(), [], lambda: None)  # another directory: it loads
+    assert fake_cache == [b"compiled!"] and third.stats.same_cache_dir == 0
+
+
+def test_a_shared_cache_directory_is_recognised(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
+    here = share_mod.cache_dir_identity()  # Inductor's cache_dir() makes the directory
+    assert here is not None
+    (tmp_path / "link").symlink_to(tmp_path / "shared")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "link"))
+    assert share_mod.cache_dir_identity() == here  # the same directory by another name
+    (tmp_path / "other").mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "other"))
+    assert share_mod.cache_dir_identity() != here
+
+
+def test_the_rank_beside_the_publisher_hits_its_cache_without_loading(tmp_path, monkeypatch):
+    """Real Inductor, one process playing both ranks of one host: one cache directory. The
+    second rank must not load the payload (``load_cache_artifacts`` would rewrite every entry
+    the publisher ever recorded into the directory both compile and load kernels from) and
+    still compiles nothing: its Inductor hits what the publisher wrote there."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    loads: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loads.append)
+    first, second = _pair()
+    x = torch.randn(8)
+    hits, misses = (counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+    outs = []
+    for share in (first, second):
+        torch._dynamo.reset()
+
+        def backend(gm, inputs, share=share):
+            return share.compile(gm, inputs, lambda: compile_fx(gm, inputs))
+
+        outs.append(torch.compile(lambda t: (t.sin() * 3).cos().sum(), backend=backend)(x))
+    torch._dynamo.reset()
+    assert loads == []
+    assert (first.stats.published, second.stats.loaded, second.stats.same_cache_dir) == (1, 1, 1)
+    assert counters["inductor"]["fxgraph_cache_miss"] - misses == 1  # the publisher's compile
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == 1  # the second rank's
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_options_are_checked():

@@ -167,15 +167,17 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "bw_05_overlap_reduce.txt",
         "dynamo_00_input.txt",
         "dynamo_01_dedupe_unshard.txt",
+        "dynamo_02_parameters_first_in_regions.txt",
         "fw_00_input.txt",
         "fw_01_lower_unshard.txt",
         "fw_02_prefetch.txt",
         "fw_03_step_prefetch.txt",
         "joint_00_input.txt",
-        "joint_01_fold_views.txt",
-        "joint_02_merge_reduce_grad.txt",
-        "joint_03_assign_buckets.txt",
-        "joint_04_reshard.txt",
+        "joint_01_rewire_region_passthrough.txt",
+        "joint_02_fold_views.txt",
+        "joint_03_merge_reduce_grad.txt",
+        "joint_04_assign_buckets.txt",
+        "joint_05_reshard.txt",
     ]
     assert "graphshard.unshard" in (graph_dir / "fw_00_input.txt").read_text()
     assert "all_gather_into_tensor" in (graph_dir / "fw_01_lower_unshard.txt").read_text()

@@ -156,10 +156,12 @@ def test_tied_weight_across_buckets_is_gathered_and_reduced_once(fake2):
 
 def test_checkpointed_block_is_gathered_once_in_backward(fake2):
     """Recompute and gradient share one gather per bucket, not one each."""
-    (stages,) = _step(graphshard.shard(Blocks(ckpt=True)), *_regression(),
-                      reshard_last_bucket=True)
-    buckets = collections.Counter(n.meta["graphshard"]["bucket"] for n in calls(stages["bw"], AG))
-    assert buckets == {0: 1, 1: 1, 2: 1}
+    for once in (True, False):  # blocks as compile regions, or inlined in the step graph
+        (stages,) = _step(graphshard.shard(Blocks(ckpt=True), compile_blocks_once=once),
+                          *_regression(), reshard_last_bucket=True)
+        buckets = collections.Counter(n.meta["graphshard"]["bucket"]
+                                      for n in calls(stages["bw"], AG))
+        assert buckets == {0: 1, 1: 1, 2: 1}
     tags = {n.meta.get("recompute") for n in stages["joint"].graph.nodes} - {None}
     assert len(tags) > 1  # checkpoint's own PREFER_RECOMPUTE beside the markers' policy
 

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+import torch._dynamo.side_effects
+import torch._dynamo.utils
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -33,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
+from graphshard.api.block_regions import REGION_PARAMS_ATTR, install_block_regions
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
@@ -113,10 +116,34 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.accelerator.current_accelerator()
 
 
+def _add_forward_depth(state: ShardState, step: int) -> None:
+    state.forward_depth += step
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def _forward_counter() -> Any:
+    """How the forward hooks change the count. It goes up and back down inside every module
+    call, also inside a ``torch.utils.checkpoint`` body. Dynamo from torch 2.13 defers its
+    check of such a body's side effects and accepts one undone before the body exits; torch
+    2.11's refuses any mutation of an outside object there ("HOP: Unsafe side effect"), and
+    the checkpointed block would fall back to eager. There the change goes through Dynamo's
+    hatch that allows it (eagerly, a plain call)."""
+    if hasattr(torch._dynamo.side_effects.SideEffects, "defer_side_effect_checks"):
+        return _call
+    return getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer",
+                   _call)
+
+
+_count_forward = _forward_counter()
+
+
 def _enter_forward(state: ShardState):
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
-        state.forward_depth += 1
+        _count_forward(_add_forward_depth, state, 1)
 
     return hook
 
@@ -124,7 +151,7 @@ def _enter_forward(state: ShardState):
 def _exit_forward(state: ShardState):
     @mark_forward_hook
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        state.forward_depth -= 1
+        _count_forward(_add_forward_depth, state, -1)
         if state.forward_depth == 0 and state.eager_reads:
             if sys.exc_info()[1] is not None:  # unwinding an error: only forget the reads
                 state.eager_reads = []
@@ -312,6 +339,9 @@ def reads_gather(state: ShardState) -> bool:
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
     def make_property(pname: str) -> property:
         def get(self):
+            region = self.__dict__.get(REGION_PARAMS_ATTR)
+            if region is not None:  # inside a block's compile region: gathered outside it
+                return region[pname]
             entry, spec = self._graphshard_specs[pname]
             state = self._graphshard_root_state
             param = self._parameters[pname]
@@ -402,6 +432,7 @@ def shard(
     reshard_after_forward: bool | Literal["auto"] = True,
     mixed_precision: MixedPrecision | None = None,
     offload: CPUOffload | None = None,
+    compile_blocks_once: bool = True,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place across the ranks of ``mesh``.
 
@@ -436,6 +467,11 @@ def shard(
             reduced gradients are copied back, so the optimizer steps on the host. Needs an
             accelerator mesh (ValueError on a CPU one: nothing to offload). The buffers go
             to the mesh's device (also after a later ``to_empty(device="cpu")``).
+        compile_blocks_once: under ``torch.compile``, run each block of the main
+            ModuleList/Sequential as a compile region, so that identical blocks are
+            partitioned and compiled by Inductor once, while their gathers stay in the step
+            graph, bucketed and prefetched across blocks (:mod:`graphshard.api.block_regions`).
+            False compiles every block on its own, as part of the one step graph.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
@@ -459,6 +495,11 @@ def shard(
             "model, on the root module."
         )
     _check_shard_options(module, mesh, reshard_after_forward)
+    if not isinstance(compile_blocks_once, bool):
+        raise GraphshardTypeError(
+            f"graphshard.shard() option compile_blocks_once must be True or False, got "
+            f"{compile_blocks_once!r} ({type(compile_blocks_once).__name__})"
+        )
     _refuse_sharded_submodules(module)
     _refuse_complex_parameters(module)
     tp_mesh = tp_mesh_of(module, mesh)  # None without tensor parallelism; checks the order
@@ -551,6 +592,8 @@ def shard(
     if offload is not None:
         keep_buffers_on_device(module, mesh.device_type)
     _track_forwards(module, state)
+    if compile_blocks_once:
+        install_block_regions(_main_block_list(module))
     step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
     setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()

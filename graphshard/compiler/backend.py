@@ -37,6 +37,11 @@ from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
 from graphshard.passes import Plan
+from graphshard.passes.regions import (
+    joint_primal_signature,
+    partition_region,
+    region_parameter_counts,
+)
 from graphshard.passes.reshard import plan_after_joint
 from graphshard.safety.fingerprint import check_compile_plan
 from graphshard.safety.guards import refuse_unsharded_parameters
@@ -199,9 +204,13 @@ class GraphshardBackend:
             return stages[stage]
 
         gm = run("dynamo", gm)
+        regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
             nonlocal plan
+            n_params = regions.get(joint_primal_signature(joint)) if regions else None
+            if n_params is not None:  # one block region's own joint (partitioned first)
+                return partition_region(joint, joint_inputs, n_params=n_params, **kwargs)
             joint = run("joint", joint)
             plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)

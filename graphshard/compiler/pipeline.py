@@ -1,8 +1,12 @@
 """The pass pipeline: which graph passes run at which stage of a compile, in what order.
 
 Stages and their passes (each dumped before and after when a dump directory is set):
-- ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once);
-- ``joint``: ``fold_views`` (markers read parameters and return gradients directly, not
+- ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once),
+  ``parameters_first_in_regions`` (a block region's gathered parameters become its first
+  inputs, which its partitioner relies on);
+- ``joint``: ``rewire_region_passthrough`` (a block region's parameter operand, saved for its
+  backward, is read as the operand, so it is gathered again rather than kept),
+  ``fold_views`` (markers read parameters and return gradients directly, not
   through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
   reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
   ``assign_buckets`` (the ``size``/``auto`` strategies),
@@ -33,8 +37,10 @@ from graphshard.passes import (
     lower_unshard,
     merge_reduce_grad,
     overlap_reduce,
+    parameters_first_in_regions,
     prefetch,
     reshard,
+    rewire_region_passthrough,
     split_last_reduce,
     step_prefetch,
 )
@@ -47,8 +53,8 @@ __all__ = ["PIPELINE", "Pass", "run_passes", "record_group_facts"]
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
-    "dynamo": [dedupe_unshard],
-    "joint": [fold_views, merge_reduce_grad, assign_buckets, reshard],
+    "dynamo": [dedupe_unshard, parameters_first_in_regions],
+    "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
     "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce],

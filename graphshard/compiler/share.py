@@ -26,6 +26,16 @@ Protocol, per graph handed to Inductor (the forward and backward of every Dynamo
    loaded only populates Inductor's cache under Inductor's own keys, so a graph that differs
    in anything the digest missed simply misses that cache and compiles.
 
+Ranks that share one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``: the ranks of one
+host by default) load nothing: the publisher's compile already wrote its entries into that
+very directory, so the waiting rank only waits for the commit and then compiles, which hits
+Inductor's cache there. The publisher publishes, next to the payload, the identity of its
+cache directory (the kernel's boot id, the directory's device and inode); a rank whose own
+directory has the same identity skips ``load_cache_artifacts``. Loading there would only
+rewrite (atomically, but needlessly) every entry of the payload, which holds every artifact
+the publishing process recorded so far (``save_cache_artifacts`` is cumulative), into the
+directory the ranks are compiling and loading kernels from at the same time.
+
 What is shared is Inductor's FX-graph cache entries (with GPU Triton kernels bundled into
 them, Inductor's ``bundle_triton_into_fx_graph_cache``). On the CPU the C++ kernels are not in
 those entries: a rank with a cache directory of its own skips Inductor's lowering and code
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -52,8 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-__all__ = ["CompileShare", "ShareStats", "graph_digest", "share_from_default_group", "encode",
-           "decode"]
+__all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "graph_digest",
+           "share_from_default_group", "encode", "decode"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +105,28 @@ def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any], **flags: Any
     return h.hexdigest()[:32]
 
 
+def cache_dir_identity() -> str | None:
+    """Who this process's Inductor cache directory is, the same string in every process that
+    uses the same directory on the same machine: the kernel's boot id (else the host name),
+    the directory's device and inode. None when it cannot be told (the directory does not
+    exist yet): then nothing is assumed shared."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        path = os.path.realpath(cache_dir())
+        st = os.stat(path)
+    except OSError:
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        import socket
+
+        machine = socket.gethostname()
+    return f"{machine}:{st.st_dev}:{st.st_ino}:{path}"
+
+
 @dataclass
 class ShareStats:
     """What this process did with the graphs it compiled (:attr:`CompileShare.stats`)."""
@@ -101,6 +134,7 @@ class ShareStats:
     published: int = 0  # graphs this rank compiled and published
     loaded: int = 0  # graphs whose artifacts this rank loaded from another rank
     compiled_alone: int = 0  # graphs this rank compiled because nothing usable came
+    same_cache_dir: int = 0  # of ``loaded``: found in the cache directory shared with the publisher
     reasons: list[str] = field(default_factory=list)  # why, for each compiled_alone
 
 
@@ -155,6 +189,8 @@ class CompileShare:
             self.store.set(self._key(digest, "failed"), b"nothing to publish")
             return compiled
         blob = encode(saved[0])
+        # where the compile wrote its entries: a rank with the same directory loads nothing
+        self.store.set(self._key(digest, "origin"), cache_dir_identity() or "")
         self.store.set(self._key(digest, "data"), blob)  # the temporary file ...
         self.store.set(self._key(digest, "ready"), hashlib.sha256(blob).hexdigest())  # renamed
         self.stats.published += 1
@@ -174,6 +210,14 @@ class CompileShare:
                 return f"no artifacts after {self.timeout_s:.0f} s"
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+        origin = self._key(digest, "origin")
+        here = cache_dir_identity()
+        if here is not None and self.store.check([origin]) \
+                and self.store.get(origin).decode() == here:
+            # the publisher compiled into this very cache directory: its entries are here
+            # already, and the compile that follows hits them
+            self.stats.same_cache_dir += 1
+            return None
         committed = self.store.get(ready).decode()
         blob = self.store.get(self._key(digest, "data")) \
             if self.store.check([self._key(digest, "data")]) else b""

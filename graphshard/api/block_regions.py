@@ -1,0 +1,151 @@
+"""Each distinct block of the model compiled once, with the step's schedule kept.
+
+graphshard compiles the whole training step as one graph, which is what lets it bucket and
+prefetch every gather across block boundaries, but Inductor's work then grows with depth:
+every one of 80 identical layers is lowered, scheduled and code-generated on its own.
+
+Here each block of the main ``ModuleList`` / ``Sequential`` (the one :func:`graphshard.shard`
+buckets by) runs, under ``torch.compile``, as a call to one
+``torch.compiler.nested_compile_region``:
+
+- the block's parameters are read *outside* the region, through the usual ``unshard``
+  markers, and passed in as its first operands; inside, each attribute read returns the
+  operand (:data:`REGION_PARAMS_ATTR`). The step graph so keeps every marker, and the
+  passes bucket, prefetch and reshard exactly as before (block k+1's gather under block k);
+- the region's body is pure compute. Dynamo still traces each call, but identical bodies
+  become one ``invoke_subgraph`` subgraph, which AOTAutograd partitions and Inductor
+  compiles once per distinct block (another shape, dtype or module gets its own);
+- the backend partitions each region's joint graph with
+  :func:`graphshard.passes.regions.partition_region`, and the joint pass
+  ``rewire_region_passthrough`` reads the parameters the region saves as its operands, so
+  resharding stays true: the backward gathers them again rather than keeping them.
+
+Eagerly, and for blocks this cannot serve (a lone layer, a block holding buffers such as
+BatchNorm's running statistics, tensor-parallel parameters, an instance-level ``forward``),
+the block runs as it always did, inlined in the step graph. ``graphshard.shard(...,
+compile_blocks_once=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch._dynamo.utils
+from torch import nn
+
+__all__ = ["REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
+
+# On a module inside a block while its region is traced: parameter name -> gathered tensor.
+REGION_PARAMS_ATTR = "_graphshard_region_params"
+_BLOCK_FORWARD = "_graphshard_block_forward"
+# More than any model has blocks: Dynamo raises when a region's reuse entries exceed this.
+_MAX_REUSE_ENTRIES = 1 << 20
+
+
+def _block_body(block: nn.Module, params: tuple, *args: Any, **kwargs: Any) -> Any:
+    """What a region runs: the block's own forward (its attribute reads return ``params``)."""
+    return getattr(type(block), _BLOCK_FORWARD)(block, *args, **kwargs)
+
+
+# n_params -> the compile region for blocks with that many gathered parameters (made when the
+# blocks are installed, outside tracing: Dynamo reads this dict, it never builds a region)
+_REGIONS: dict[int, Any] = {}
+
+
+def _make_region(n_params: int) -> Any:
+    """The compile region for blocks with ``n_params`` gathered parameters (one per count,
+    so that Dynamo's reuse bookkeeping never mixes blocks of different arity)."""
+    extra = {}
+    if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
+        extra["max_reuse_entries"] = _MAX_REUSE_ENTRIES
+    return torch.compiler.nested_compile_region(_block_body, **extra)
+
+
+def _set_region_params(module: nn.Module, gathered: dict) -> None:
+    module.__dict__[REGION_PARAMS_ATTR] = gathered
+
+
+def _clear_region_params(module: nn.Module) -> None:
+    del module.__dict__[REGION_PARAMS_ATTR]
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+# Dynamo refuses a change to an outside object inside a higher-order op's body ("HOP: Unsafe
+# side effect"), e.g. a block called inside a ``torch.utils.checkpoint`` body. The region's
+# parameters are set and removed again before the body exits; this hatch lets Dynamo accept
+# that (eagerly it is a plain call).
+_unchecked = getattr(
+    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
+
+
+def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.Tensor]]:
+    """Read every parameter of ``block`` through its sharded attribute (an ``unshard`` marker
+    each, in the step graph) and leave the results where the attribute reads inside the
+    region find them."""
+    owners, flat = [], []
+    for sub in block.modules():
+        specs = sub.__dict__.get("_graphshard_specs")
+        if not specs:
+            continue
+        gathered = {name: getattr(sub, name) for name in specs}
+        _unchecked(_set_region_params, sub, gathered)
+        owners.append(sub)
+        flat.extend(gathered.values())
+    return owners, flat
+
+
+def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's ``forward``: as a compile region while Dynamo traces, else as written."""
+    forward = getattr(type(self), _BLOCK_FORWARD)
+    if not torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    owners, flat = _gather_block_params(self)
+    try:
+        return _REGIONS[len(flat)](self, tuple(flat), *args, **kwargs)
+    finally:
+        for sub in owners:
+            _unchecked(_clear_region_params, sub)
+
+
+@functools.cache
+def _region_class(cls: type) -> type:
+    attrs = {"forward": region_forward, _BLOCK_FORWARD: cls.forward}
+    return type(cls.__name__, (cls,), attrs)
+
+
+def _servable(block: nn.Module) -> bool:
+    """Whether ``block`` can run as a region: a composite module (a lone layer gains
+    nothing), without buffers (a region cannot update one in training, e.g. BatchNorm's
+    running statistics), tensor-parallel parameters or an instance-level ``forward``."""
+    if "forward" in block.__dict__ or next(block.children(), None) is None:
+        return False
+    if next(block.buffers(), None) is not None:
+        return False
+    for sub in block.modules():
+        for entry, _ in (sub.__dict__.get("_graphshard_specs") or {}).values():
+            if entry.tp is not None:  # tensor-parallel parameters are DTensors inside
+                return False
+    return True
+
+
+def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
+    """Make each block of ``blocks`` (the main ModuleList/Sequential) run as a compile region
+    under ``torch.compile``; returns the blocks that will."""
+    if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
+        return []
+    served = []
+    for block in blocks:
+        n_params = sum(len(sub.__dict__.get("_graphshard_specs") or {})
+                       for sub in block.modules())
+        if _servable(block) and n_params:
+            if n_params not in _REGIONS:
+                _REGIONS[n_params] = _make_region(n_params)
+            block.__class__ = _region_class(type(block))
+            served.append(block)
+    return served

@@ -1,0 +1,194 @@
+"""Blocks compiled once (``invoke_subgraph`` regions): their partitioner and the joint pass
+that keeps resharding working across them.
+
+graphshard calls each structurally identical block of a model through one
+``torch.compiler.nested_compile_region`` (:mod:`graphshard.api.block_regions`). The block's
+gathered parameters are the region's first ``n_params`` operands, so the ``unshard`` markers
+stay in the step graph (bucketed and prefetched across blocks as before) and the region's
+body is pure compute, traced by AOTAutograd and compiled by Inductor once per distinct block.
+
+Two things keep ZeRO-3's free-after-forward true across a region:
+
+- :func:`partition_region`: AOTAutograd partitions each region's joint graph on its own. Left
+  alone, the min-cut partitioner saves tensors derived from the parameters only (a weight's
+  transpose) as region outputs, and the step graph would keep those alive from forward to
+  backward. Tagging them ``MUST_RECOMPUTE`` makes the region save its parameter operands
+  themselves;
+- :func:`rewire_region_passthrough`: a region "output" that is one of its own operands
+  passed through becomes that operand in the step graph. The backward then reads the
+  ``unshard`` marker's result directly, and the step's partitioner gathers it again (the
+  marker is ``MUST_RECOMPUTE``) instead of saving it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from graphshard.passes.errors import GraphLoweringError
+
+if TYPE_CHECKING:
+    from graphshard.passes.plan import Plan
+
+__all__ = [
+    "REGION_AC_GRAPH_ID",
+    "joint_primal_signature",
+    "parameters_first_in_regions",
+    "partition_region",
+    "region_body",
+    "region_calls",
+    "region_parameter_counts",
+    "rewire_region_passthrough",
+]
+
+# Above any activation-checkpoint region id inside a block: the tagged nodes never merge with
+# the user's own checkpointed regions.
+REGION_AC_GRAPH_ID = 1 << 30
+
+
+def region_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """The ``invoke_subgraph`` calls of ``gm`` (one per block call)."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and hop is not None and node.target is hop:
+            yield node
+
+
+def region_body(node: fx.Node) -> fx.GraphModule:
+    """The graph an ``invoke_subgraph`` call runs."""
+    owner = node.graph.owning_module
+    return getattr(owner, node.args[0].target)
+
+
+def parameters_first_in_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Make each region's gathered parameters its first inputs, in the Dynamo graph.
+
+    Dynamo lifts a region's inputs in the order the body first uses them (the block's input
+    before its first norm weight), and AOTAutograd keeps that order; the region's partitioner
+    (:func:`partition_region`) tells parameters from activations by position, so the
+    parameter operands (the ``unshard`` markers' results) are moved to the front, in the body
+    and at every call of it alike."""
+    from graphshard.passes.markers import is_unshard
+
+    orders: dict[str, list[int]] = {}
+    for node in list(region_calls(gm)):
+        operands = list(node.args[2:])
+        is_param = [isinstance(o, fx.Node) and is_unshard(o) for o in operands]
+        order = [i for i, p in enumerate(is_param) if p] + \
+            [i for i, p in enumerate(is_param) if not p]
+        name = node.args[0].target
+        if name not in orders:
+            orders[name] = order
+            if order != sorted(order):
+                _permute_placeholders(region_body(node), order)
+        elif orders[name] != order:
+            raise GraphLoweringError(
+                f"{node.name}: calls of the compile region {name} pass their gathered "
+                "parameters at different positions; the region's body cannot serve both. "
+                "This is a bug in graphshard; compile with graphshard.shard(..., "
+                "compile_blocks_once=False) and please report it."
+            )
+        node.args = (*node.args[:2], *(operands[i] for i in order))
+    return gm
+
+
+def _permute_placeholders(body: fx.GraphModule, order: list[int]) -> None:
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    previous = None
+    for index in order:
+        node = placeholders[index]
+        if previous is None:
+            if node is not placeholders[0]:
+                placeholders[0].prepend(node)
+        else:
+            previous.append(node)  # moves ``node`` right after ``previous``
+        previous = node
+    body.recompile()
+
+
+def _signature(vals: list[Any]) -> tuple:
+    return tuple((tuple(str(d) for d in v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
+                 else (type(v).__name__,) for v in vals)
+
+
+def region_parameter_counts(gm: fx.GraphModule) -> dict[tuple, int]:
+    """For each region of the Dynamo graph ``gm`` (after
+    :func:`parameters_first_in_regions`): the shapes and dtypes of its inputs -> how many of
+    them, first, are gathered parameters. AOTAutograd hands the backend's partitioner each
+    region's joint graph alone; this is how the partitioner recognises one (its primals have
+    these shapes) and knows which of its inputs are parameters."""
+    from graphshard.passes.markers import is_unshard
+
+    counts: dict[tuple, int] = {}
+    for node in region_calls(gm):
+        operands = node.args[2:]
+        n_params = sum(1 for o in operands if isinstance(o, fx.Node) and is_unshard(o))
+        key = _signature([o.meta.get("example_value", o.meta.get("val"))
+                          if isinstance(o, fx.Node) else o for o in operands])
+        if counts.setdefault(key, n_params) != n_params:
+            raise GraphLoweringError(
+                f"{node.name}: two compile regions take inputs of the same shapes with "
+                f"{counts[key]} and {n_params} gathered parameters; graphshard cannot tell "
+                "their joint graphs apart. Compile with graphshard.shard(..., "
+                "compile_blocks_once=False)."
+            )
+    return counts
+
+
+def joint_primal_signature(joint: fx.GraphModule) -> tuple:
+    """The shapes and dtypes of a joint graph's primal inputs (see
+    :func:`region_parameter_counts`)."""
+    return _signature([n.meta.get("val") for n in joint.graph.nodes
+                       if n.op == "placeholder" and n.name.startswith("primals")])
+
+
+def partition_region(joint: fx.GraphModule, joint_inputs: Any, *, n_params: int,
+                     **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Partition a block region's joint graph, recomputing in its backward everything that
+    depends only on its first ``n_params`` inputs (the gathered parameters), so that the
+    region saves those inputs themselves rather than tensors derived from them."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    params_only = set(placeholders[:n_params])
+    for node in joint.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(i in params_only for i in inputs):
+            params_only.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = REGION_AC_GRAPH_ID
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Read a region's operand where the step graph reads it back as a region output.
+
+    A partitioned region saves a parameter operand for its backward by returning it; the
+    step graph would then save that output (a new tensor to its partitioner) from forward to
+    backward. Reading the operand instead lets the partitioner recompute it (the ``unshard``
+    marker's reshard policy)."""
+    changed = False
+    for node in list(region_calls(gm)):
+        body = region_body(node)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        outputs = body.graph.output_node().args[0]
+        operands = node.args[2:]
+        for user in list(node.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                continue
+            out = outputs[user.args[1]]
+            if isinstance(out, fx.Node) and out.op == "placeholder":
+                operand = operands[placeholders.index(out)]
+                if isinstance(operand, fx.Node):
+                    user.replace_all_uses_with(operand)
+                    changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return gm

@@ -1,0 +1,207 @@
+"""Each distinct block compiled once (``shard(..., compile_blocks_once=True)``, the default).
+
+Structure on the graphs the passes leave (fake process group of 2), the generated code and
+the numerics against the same model compiled block by block (a real one-rank gloo group).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from graph_utils import c10d, calls, fake_process_group
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import graphshard
+from graphshard.errors import GraphshardTypeError
+from graphshard.models.llama import Llama, LlamaConfig
+from graphshard.passes.markers import is_unshard
+from graphshard.passes.regions import region_calls
+
+AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
+
+
+@pytest.fixture
+def fake2():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        yield
+    torch._dynamo.reset()
+
+
+def _llama(layers: int = 3, **shard_options) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, ffn_hidden=48,
+                              max_seq_len=8))
+    model.init_weights(0)
+    return graphshard.shard(model, **shard_options)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _graphs(model: nn.Module, **backend_options) -> dict:
+    backend = graphshard.backend(inductor=False, **backend_options)
+    tokens = _tokens()
+    torch.compile(model, backend=backend)(tokens, tokens).loss.backward()
+    (stages,) = backend.graphs
+    return stages
+
+
+def _collectives(gm, op) -> list[tuple]:
+    return [(n.meta["graphshard"]["bucket"], sorted(n.meta["graphshard"]["params"]),
+             n.meta["val"].numel()) for n in calls(gm, op)]  # (gradients may be ready in
+    # another order inside a bucket)
+
+
+def _bodies(gm) -> set[str]:
+    return {node.args[0].target for node in region_calls(gm)}
+
+
+def test_identical_blocks_share_one_region_and_keep_every_collective(fake2):
+    on, off = _graphs(_llama()), _graphs(_llama(compile_blocks_once=False))
+    for stage in ("fw", "bw"):
+        assert len(list(region_calls(on[stage]))) == 3  # one call per block
+        assert len(_bodies(on[stage])) == 1  # ... of one body
+        assert not list(region_calls(off[stage]))
+        for op in (AG, RS):  # the same collectives of the same parameters, bucket by bucket
+            assert _collectives(on[stage], op) == _collectives(off[stage], op)
+    assert calls(on["bw"], AG), "the backward gathers again (reshard after forward)"
+
+
+def test_regions_take_their_gathered_parameters_first(fake2):
+    """Dynamo lifts a block's input before its first weight; the region's partitioner
+    tells parameters by position, so they are moved to the front."""
+    model = _llama(layers=2)
+    backend = graphshard.backend(inductor=False)
+    tokens = _tokens()
+    torch.compile(model, backend=backend)(tokens, tokens).loss.backward()
+    dynamo = backend.graphs[0]["dynamo"]
+    n_params = sum(1 for _ in model.layers[0].parameters())
+    for call in region_calls(dynamo):
+        operands = call.args[2:]
+        assert all(is_unshard(o) for o in operands[:n_params])
+        assert not any(isinstance(o, torch.fx.Node) and is_unshard(o)
+                       for o in operands[n_params:])
+
+
+def test_next_blocks_gather_is_issued_before_this_blocks_region(fake2):
+    fw = _graphs(_llama(layers=4))["fw"]
+    order = {node: i for i, node in enumerate(fw.graph.nodes)}
+    gathers = {n.meta["graphshard"]["bucket"]: order[n] for n in calls(fw, AG)}
+    regions = [order[n] for n in region_calls(fw)]
+    for k, region in enumerate(regions[:-1]):
+        assert gathers[k + 1] < region, f"block {k + 1}'s gather comes after block {k}"
+
+
+def _saved_numel(fw) -> int:
+    outputs = fw.graph.output_node().args[0]
+    vals = [n.meta.get("val") for n in outputs if isinstance(n, torch.fx.Node)]
+    return sum(v.numel() for v in vals if isinstance(v, torch.Tensor)
+               and isinstance(v.numel(), int))  # not the RNG state (a symbolic size)
+
+
+def test_forward_saves_for_backward_what_block_by_block_saves(fake2):
+    """No gathered parameter (nor a transpose of one) is kept from forward to backward."""
+    on = _saved_numel(_graphs(_llama())["fw"])
+    off = _saved_numel(_graphs(_llama(compile_blocks_once=False))["fw"])
+    weights = sum(p.numel() for p in _llama().layers.parameters())
+    assert on <= off + weights // 10
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.gate(x))
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)  # every block's input then asks for a gradient
+        self.blocks = nn.ModuleList([_Wide(), _Gated(), _Wide(), _Gated(), _Wide()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_blocks_that_differ_compile_each_kind_once(fake2):
+    model = graphshard.shard(_Mixed())
+    backend = graphshard.backend(inductor=False)
+    torch.compile(model, backend=backend)(torch.randn(4, 8)).backward()
+    (stages,) = backend.graphs
+    assert len(list(region_calls(stages["fw"]))) == 5
+    assert len(_bodies(stages["fw"])) == 2
+
+
+def test_compile_blocks_once_takes_a_bool():
+    with pytest.raises(GraphshardTypeError, match="compile_blocks_once"):
+        graphshard.shard(_Mixed(), compile_blocks_once="yes")
+
+
+def _train(model: nn.Module, steps: int, **backend_options) -> tuple[list[float], list]:
+    compiled = torch.compile(model, backend=graphshard.backend(**backend_options))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, losses = _tokens(), []
+    for _ in range(steps):
+        loss = compiled(tokens, tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trains_exactly_as_block_by_block(one_rank, precision):
+    """Op-by-op graphs: the regions change what is compiled, never a value."""
+    options = {}
+    if precision == "bf16":
+        options["mixed_precision"] = graphshard.MixedPrecision(param_dtype=torch.bfloat16)
+    on = _train(_llama(**options), 3, inductor=False)
+    torch._dynamo.reset()
+    off = _train(_llama(compile_blocks_once=False, **options), 3, inductor=False)
+    assert on[0] == off[0]
+    for a, b in zip(on[1], off[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_generated_code_holds_one_body_per_distinct_block(one_rank):
+    model = _llama(layers=3)
+    compiled = torch.compile(model, backend=graphshard.backend())
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def step():
+        tokens = _tokens()
+        compiled(tokens, tokens).loss.backward()
+
+    _, (forward, backward) = run_and_get_code(step)
+    assert len(re.findall(r"def partitioned_fw_subgraph\w*\(", forward)) == 1
+    assert len(re.findall(r"def partitioned_bw_subgraph\w*\(", backward)) == 1
+    for _ in range(2):  # later steps compile nothing more
+        step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+    reference = _llama(layers=3, compile_blocks_once=False)
+    torch._dynamo.reset()
+    tokens = _tokens()
+    torch.compile(reference, backend=graphshard.backend())(tokens, tokens).loss.backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad.full_tensor() / 3, theirs.grad.full_tensor())
