@@ -34,8 +34,12 @@ def world3():
 @pytest.mark.parametrize("case,mode", WORLD2_JOBS)
 def test_world2_matches_single_process(world2, case, mode):
     reference = train_reference(case, 2)
+    # nn.TransformerEncoder's LayerNorms and softmax, fused by Inductor inside each block's
+    # compile region rather than across blocks, round differently from the eager reference:
+    # its loss drifts up to 1.2e-5 relative by the fourth step.
+    rtol = 3e-5 if (case, mode) == ("torch_transformer", "compiled") else 1e-5
     for rank_results in world2:
-        assert_matches(rank_results[(case, mode)], reference)
+        assert_matches(rank_results[(case, mode)], reference, rtol=rtol)
 
 
 @pytest.mark.parametrize("job", VARIANT_JOBS, ids=["-".join(j) for j in VARIANT_JOBS])
