@@ -35,6 +35,7 @@ buffers of the backend).
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 
@@ -337,7 +338,13 @@ def _model(gm: fx.GraphModule, plan) -> _Step | None:
             continue
         if "val" in node.meta:
             fw_compute[segment[node]] += node_time(node, plan.profile)
-            if any(u in backward for u in node.users):
+            if isinstance(node.meta["val"], (tuple, list)):
+                # several outputs (a block region's call): the ones the backward reads, which
+                # it reads through getitem nodes that belong to no forward output
+                saved[segment[node]] += sum(
+                    tensor_bytes(u.meta.get("val")) for u in node.users
+                    if u in backward and u.target is operator.getitem)
+            elif any(u in backward for u in node.users):
                 saved[segment[node]] += tensor_bytes(node.meta["val"])
 
     backends = {n.meta.get("group_backend") for n in graph.nodes if is_reduce_grad(n)}
