@@ -6,6 +6,7 @@ the numerics against the same model compiled block by block (a real one-rank glo
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -205,3 +206,41 @@ def test_generated_code_holds_one_body_per_distinct_block(one_rank):
     torch.compile(reference, backend=graphshard.backend())(tokens, tokens).loss.backward()
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad.full_tensor() / 3, theirs.grad.full_tensor())
+
+
+class _Breaking(nn.Module):
+    """A block whose forward graph-breaks between its two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return x + self.second(x)
+
+
+class _BreakingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Breaking() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_graph_break_inside_a_block_splits_it_instead_of_failing(one_rank):
+    """Dynamo refuses a graph break inside a nested_compile_region; graphshard's regions fall
+    back the way a checkpoint body does, and the model trains like one process."""
+    torch.manual_seed(0)
+    reference, x = _BreakingStack(), torch.randn(4, 8)
+    model = graphshard.shard(copy.deepcopy(reference))
+    reference(x).backward()
+    backend = graphshard.backend(inductor=False)
+    torch.compile(model, backend=backend)(x).backward()
+    assert len(backend.graphs) > 1  # the breaks split the step
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)

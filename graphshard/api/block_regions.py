@@ -134,11 +134,25 @@ def _servable(block: nn.Module) -> bool:
     return True
 
 
+def _graph_breaks_fall_back() -> None:
+    """Let a graph break inside a region fall back the way one inside a ``checkpoint`` body
+    does (Dynamo splits the block's code into graphs), instead of Dynamo's hard error for
+    ``nested_compile_region`` ("doesn't work unless it is captured completely"): a block that
+    graph-breaks then trains as it would inlined. This is Dynamo's own switch for the
+    higher-order op; it makes no other region stricter."""
+    try:
+        from torch._dynamo.variables.invoke_subgraph import InvokeSubgraphHigherOrderVariable
+    except ImportError:  # torch 2.11 keeps it beside the other higher-order ops
+        from torch._dynamo.variables.higher_order_ops import InvokeSubgraphHigherOrderVariable
+    InvokeSubgraphHigherOrderVariable._ALLOW_FALLBACK_TO_EAGER = True
+
+
 def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
     """Make each block of ``blocks`` (the main ModuleList/Sequential) run as a compile region
     under ``torch.compile``; returns the blocks that will."""
     if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
         return []
+    _graph_breaks_fall_back()
     served = []
     for block in blocks:
         n_params = sum(len(sub.__dict__.get("_graphshard_specs") or {})
