@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from bench.comm import communication
+from bench.host_tax import HOST_BUCKETS
 from bench.timing import round_ratios, step_stats
 
 # The system the others are compared with (``graphshard_ratio``).
@@ -35,6 +36,7 @@ FIELDS: tuple[str, ...] = (
     "first_loss",
     "final_loss",
     "predicted_step_s",
+    "host_tax",
     "notes",
 )
 
@@ -72,6 +74,7 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     record["peak_mem_bytes_by_rank"] = [res["peak_mem_bytes"] for res in ranks]
     waits = [res["wait_s"] for res in ranks if res.get("wait_s") is not None]
     record["wait_s"] = max(waits) if waits else None
+    record["host_tax"] = slowest_host_tax(ranks)
     prefetch = ranks[0].get("step_prefetch")
     if prefetch is not None:
         record["step_prefetch"] = prefetch
@@ -82,6 +85,24 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
             )
     record["notes"] = "; ".join(notes) or None
     return record
+
+
+def slowest_host_tax(ranks: list[dict]) -> dict | None:
+    """The host-tax split (:mod:`bench.host_tax`) of the rank whose profiled steps took
+    longest, with ``rank`` set; None where no rank measured one."""
+    measured = [(r, res["host_tax"]) for r, res in enumerate(ranks) if res.get("host_tax")]
+    if not measured:
+        return None
+    rank, split = max(measured, key=lambda item: item[1]["step_s"])
+    return {**split, "rank": rank}
+
+
+def host_tax_cell(split: dict | None) -> str:
+    """``host: guards / wrappers / optimizer / rest`` in ms, per step; n/a without a split."""
+    if not split:
+        return "n/a"
+    parts = " / ".join(f"{split[f'{b}_s'] * 1e3:.2f}" for b in HOST_BUCKETS)
+    return f"{split['host_s'] * 1e3:.2f}: {parts}"
 
 
 def add_ratios(records: list[dict], reference: str = REFERENCE) -> None:
@@ -201,8 +222,9 @@ def to_markdown(report: dict) -> str:
         f"| vs single-compiled | {'compile s cold / warm' if cold_warm else 'compile s'} "
         "| peak mem MiB | mem vs fsdp2-eager "
         "| collectives/step | MB sent/rank/step | comm wait ms | copies MB (floor) "
-        "| first loss | final loss | predicted ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| first loss | final loss | predicted ms "
+        "| host ms: guards / wrappers / optimizer / rest |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in systems:
         median, mem = s["step_s_median"], s["peak_mem_bytes"]
@@ -220,7 +242,8 @@ def to_markdown(report: dict) -> str:
             f"| {_ratio(mem, fsdp.get('peak_mem_bytes'))} | {collectives} "
             f"| {_fmt(s['bytes_per_step'], 1e-6, 3)} | {_fmt(s.get('wait_s'), 1e3)} "
             f"| {_copies(s)} | {_loss(s.get('first_loss'))} "
-            f"| {_loss(s['final_loss'])} | {_fmt(s['predicted_step_s'], 1e3)} |"
+            f"| {_loss(s['final_loss'])} | {_fmt(s['predicted_step_s'], 1e3)} "
+            f"| {host_tax_cell(s.get('host_tax'))} |"
         )
     ref = report["reference"]
     b_param, b_reduce = ref.get("b_param", 4), ref.get("b_reduce", 4)
@@ -233,6 +256,15 @@ def to_markdown(report: dict) -> str:
         f"{'n/a' if measured is None else f'{measured:,}'} bytes "
         f"({_ratio(measured, ref['zero3_bytes_per_rank'])} of the formula).",
     ]
+    taxed = [s["host_tax"] for s in systems if s.get("host_tax")]
+    if taxed:
+        lines += [
+            "",
+            f"host ms: one profiled step's time outside the compiled graphs (mean of "
+            f"{taxed[0]['steps']} steps, slowest rank, profiler on: longer than the median), "
+            "split into Dynamo's guards, AOTAutograd's wrappers, the optimizer and the rest "
+            "(bench/host_tax.py).",
+        ]
     noted = [s for s in systems if s["notes"]]
     if noted:
         lines += ["", "Notes:", ""]

@@ -68,6 +68,11 @@ Per system:
   the ranks that trained (same init and batches: the first losses of all systems agree).
 - ``predicted_step_s``: graphshard-compiled only, the cost model's forward+backward estimate
   (profile ``cpu-gloo`` on the CPU, ``h100-nvlink`` on CUDA; the optimizer is not modelled).
+- ``host_tax``: compiled systems only (:func:`bench.host_tax.applies_to`), the split of
+  ``--host-tax-steps`` more steps (default 3), each under the profiler without shapes or
+  memory, into time inside the compiled graphs, Dynamo's guards, AOTAutograd's runtime
+  wrappers, the optimizer, the bench's waits and the rest, the mean over those steps, of
+  the rank whose profiled steps were slowest (:mod:`bench.host_tax`).
 
 ``--mixed-precision bf16`` (or ``fp16``; default ``none``, fp32) gives every system the same
 precision through its own mechanism (:mod:`bench.systems`): parameters gathered and computed
@@ -111,6 +116,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.comm import count_collectives, count_logged, graphshard_summary, zero3_bytes
+from bench.host_tax import applies_to, mean_split, profile_steps, sync_event
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
 from bench.systems import (
@@ -149,6 +155,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="profiled steps after the timed ones (peak memory: their largest; comm wait: "
         "their median)",
     )
+    parser.add_argument(
+        "--host-tax-steps", type=int, default=3,
+        help="steps profiled without shapes or memory for the host-tax split of the compiled "
+        "systems (guards, wrappers, optimizer, rest: bench/host_tax.py); 0: none",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -219,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need 1 <= --warmup < --steps (the first step is compile, never timed)")
     if args.round_steps < 1:
         parser.error("--round-steps must be at least 1")
+    if args.host_tax_steps < 0:
+        parser.error("--host-tax-steps must be at least 0")
     max_seq = llama_config(args.model).max_seq_len
     if not 2 <= args.seq_len <= max_seq:
         parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
@@ -342,6 +355,23 @@ def profiled_step(
     return result
 
 
+def host_tax(
+    trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
+) -> dict[str, Any] | None:
+    """The mean host-tax split of ``--host-tax-steps`` profiled steps on this rank
+    (:mod:`bench.host_tax`), None where it does not apply or none were asked for."""
+    if not args.host_tax_steps or not applies_to(trial.name):
+        return None
+
+    def step(tokens: torch.Tensor) -> None:
+        train_step(trial.system, tokens)
+        with sync_event():
+            sync(device)
+
+    splits = profile_steps(step, args.host_tax_steps, lambda: _tokens(trial, args, rank, device))
+    return mean_split(splits)
+
+
 def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device) -> dict:
     """The rank's result for a system whose timed steps are done: times, losses, profile."""
     result: dict[str, Any] = {
@@ -360,6 +390,7 @@ def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.devi
     result["peak_mem_bytes"] = max(p["peak_mem_bytes"] for p in profiled)
     if "wait_s" in result:
         result["wait_s"] = statistics.median(p["wait_s"] for p in profiled)
+    result["host_tax"] = host_tax(trial, args, rank, device)
     if trial.system.backend is not None:
         result["summary"] = graphshard_summary(trial.system, device)
         if trial.system.backend.plan.step_prefetch:

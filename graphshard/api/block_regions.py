@@ -50,14 +50,14 @@ def _block_body(block: nn.Module, params: tuple, *args: Any, **kwargs: Any) -> A
     return getattr(type(block), _BLOCK_FORWARD)(block, *args, **kwargs)
 
 
-# n_params -> the compile region for blocks with that many gathered parameters (made when the
-# blocks are installed, outside tracing: Dynamo reads this dict, it never builds a region)
-_REGIONS: dict[int, Any] = {}
+# [the region], filled at install: traced code reads a list, never calls the cached factory
+_REGION: list[Any] = []
 
 
-def _make_region(n_params: int) -> Any:
-    """The compile region for blocks with ``n_params`` gathered parameters (one per count,
-    so that Dynamo's reuse bookkeeping never mixes blocks of different arity)."""
+@functools.cache
+def _region() -> Any:
+    """The compile region every block runs in (made when blocks are installed, outside
+    tracing: Dynamo only calls it). Identical bodies share one subgraph; others get theirs."""
     extra = {}
     if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
         extra["max_reuse_entries"] = _MAX_REUSE_ENTRIES
@@ -107,7 +107,7 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(self, *args, **kwargs)
     owners, flat = _gather_block_params(self)
     try:
-        return _REGIONS[len(flat)](self, tuple(flat), *args, **kwargs)
+        return _REGION[0](self, tuple(flat), *args, **kwargs)
     finally:
         for sub in owners:
             _unchecked(_clear_region_params, sub)
@@ -158,8 +158,7 @@ def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
         n_params = sum(len(sub.__dict__.get("_graphshard_specs") or {})
                        for sub in block.modules())
         if _servable(block) and n_params:
-            if n_params not in _REGIONS:
-                _REGIONS[n_params] = _make_region(n_params)
+            _REGION[:] = [_region()]
             block.__class__ = _region_class(type(block))
             served.append(block)
     return served
