@@ -88,7 +88,7 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
 
 
 def slowest_host_tax(ranks: list[dict]) -> dict | None:
-    """The host-tax split (:mod:`bench.host_tax`) of the rank whose profiled steps took
+    """The host-tax split (:mod:`bench.host_tax`) of the rank whose profiled step took
     longest, with ``rank`` set; None where no rank measured one."""
     measured = [(r, res["host_tax"]) for r, res in enumerate(ranks) if res.get("host_tax")]
     if not measured:
@@ -260,8 +260,8 @@ def to_markdown(report: dict) -> str:
     if taxed:
         lines += [
             "",
-            f"host ms: one profiled step's time outside the compiled graphs (mean of "
-            f"{taxed[0]['steps']} steps, slowest rank, profiler on: longer than the median), "
+            "host ms: a profiled step's time outside the compiled graphs (the median of "
+            f"{taxed[0]['steps']} steps, slowest rank; the profiler adds a little per op), "
             "split into Dynamo's guards, AOTAutograd's wrappers, the optimizer and the rest "
             "(bench/host_tax.py).",
         ]

@@ -71,8 +71,8 @@ Per system:
 - ``host_tax``: compiled systems only (:func:`bench.host_tax.applies_to`), the split of
   ``--host-tax-steps`` more steps (default 3), each under the profiler without shapes or
   memory, into time inside the compiled graphs, Dynamo's guards, AOTAutograd's runtime
-  wrappers, the optimizer, the bench's waits and the rest, the mean over those steps, of
-  the rank whose profiled steps were slowest (:mod:`bench.host_tax`).
+  wrappers, the optimizer, the bench's waits and the rest: the median of those steps, on
+  the rank whose median step was slowest (:mod:`bench.host_tax`).
 
 ``--mixed-precision bf16`` (or ``fp16``; default ``none``, fp32) gives every system the same
 precision through its own mechanism (:mod:`bench.systems`): parameters gathered and computed
@@ -116,7 +116,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.comm import count_collectives, count_logged, graphshard_summary, zero3_bytes
-from bench.host_tax import applies_to, mean_split, profile_steps, sync_event
+from bench.host_tax import applies_to, median_split, profile_steps, sync_event
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
 from bench.systems import (
@@ -358,7 +358,7 @@ def profiled_step(
 def host_tax(
     trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
 ) -> dict[str, Any] | None:
-    """The mean host-tax split of ``--host-tax-steps`` profiled steps on this rank
+    """The host-tax split of the median of ``--host-tax-steps`` profiled steps on this rank
     (:mod:`bench.host_tax`), None where it does not apply or none were asked for."""
     if not args.host_tax_steps or not applies_to(trial.name):
         return None
@@ -369,7 +369,7 @@ def host_tax(
             sync(device)
 
     splits = profile_steps(step, args.host_tax_steps, lambda: _tokens(trial, args, rank, device))
-    return mean_split(splits)
+    return median_split(splits)
 
 
 def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device) -> dict:

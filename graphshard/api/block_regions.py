@@ -69,7 +69,7 @@ def _set_region_params(module: nn.Module, gathered: dict) -> None:
 
 
 def _clear_region_params(module: nn.Module) -> None:
-    del module.__dict__[REGION_PARAMS_ATTR]
+    module.__dict__[REGION_PARAMS_ATTR] = None  # (torch 2.11's Dynamo cannot trace a del)
 
 
 def _call(fn: Any, *args: Any) -> Any:
