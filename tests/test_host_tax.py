@@ -1,0 +1,133 @@
+"""Tests of the host-tax split (``bench/host_tax.py``): its rules on a made-up trace, and the
+bench column on a real short run in a fake world of 2."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from bench.host_tax import BUCKETS, HOST_BUCKETS, STEP_EVENT, applies_to, split_events
+from bench.report import host_tax_cell
+from bench.step import main
+
+
+@dataclass
+class _Event:
+    """The four methods of a kineto event the split reads (times in microseconds here)."""
+
+    label: str
+    start: int
+    stop: int
+    thread: int = 1
+
+    def name(self) -> str:
+        return self.label
+
+    def start_ns(self) -> int:
+        return self.start * 1000
+
+    def duration_ns(self) -> int:
+        return (self.stop - self.start) * 1000
+
+    def start_thread_id(self) -> int:
+        return self.thread
+
+
+def _us(split: dict) -> dict[str, float]:
+    return {b: round(split[f"{b}_s"] * 1e6, 6) for b in BUCKETS}
+
+
+def test_split_follows_the_innermost_event_and_sums_to_the_step():
+    events = [
+        _Event(STEP_EVENT, 0, 100),
+        _Event("TorchDynamo Cache Lookup", 1, 4),  # guards 3
+        _Event("Torch-Compiled Region: 0/0", 4, 30),  # own time: wrappers
+        _Event("Pregraph bytecode", 5, 6),  # wrappers 1
+        _Event("CompiledFunction", 6, 20),
+        _Event("## Call CompiledFxGraph abc ##", 7, 18),  # compiled 11
+        _Event("aten::mm", 8, 12),  # inside the graph: compiled
+        _Event("aten::copy_", 22, 25),  # eager code the frame runs (graph break): rest 3
+        _Event("aten::ones_like", 31, 32),  # rest 1
+        _Event("autograd::engine::evaluate_function: CompiledFunctionBackward", 33, 60),
+        _Event("CompiledFunctionBackward", 34, 59),
+        _Event("## Call CompiledFxGraph def ##", 36, 56),  # compiled 20
+        _Event("Optimizer.step#AdamW.step", 62, 90),
+        _Event("aten::mul_", 63, 73),
+        _Event("PythonSubclass", 63, 73),  # subclass, 6 of it its own
+        _Event("aten::mul_", 65, 69),
+        _Event("bench::sync", 95, 97),  # wait 2
+    ]
+    (split,) = split_events(events)
+    assert split["step_s"] == pytest.approx(100e-6)
+    assert _us(split) == {
+        "compiled": 11 + 20,
+        "guards": 3,
+        # region 4-30 less its children (1 + 14 + 3) = 8; CompiledFunction 14 - 11 = 3;
+        # pregraph 1; the backward's node 27 - 20 = 7
+        "wrappers": 8 + 3 + 1 + 7,
+        "optimizer": 28,
+        "wait": 2,
+        "rest": 100 - 31 - 3 - 19 - 28 - 2,
+    }
+    assert split["host_s"] == pytest.approx(sum(split[f"{b}_s"] for b in HOST_BUCKETS))
+    assert split["subclass_s"] == pytest.approx(6e-6)
+    assert split["subclass_by_bucket"]["optimizer"] == pytest.approx(6e-6)
+
+
+def test_another_threads_backward_fills_the_callers_wait():
+    """On a GPU the autograd engine runs the backward on its device thread while the
+    caller waits in ``backward()``: that time is the other thread's bucket, once."""
+    events = [
+        _Event(STEP_EVENT, 0, 50),
+        _Event("autograd::engine::evaluate_function: CompiledFunctionBackward", 10, 40, 2),
+        _Event("CompiledFunctionBackward", 10, 40, 2),
+        _Event("## Call CompiledFxGraph k ##", 15, 35, 2),
+        _Event("aten::add", 12, 13, 3),  # another thread, no bucket: stays rest
+        _Event("Optimizer.step#SGD.step", 42, 48),
+    ]
+    (split,) = split_events(events)
+    assert _us(split) == {"compiled": 20, "guards": 0, "wrappers": 10, "optimizer": 6,
+                          "wait": 0, "rest": 14}
+
+
+def test_a_step_per_step_event_and_the_eager_systems_left_out():
+    events = [_Event(STEP_EVENT, 0, 10), _Event(STEP_EVENT, 20, 25),
+              _Event("Optimizer.step#AdamW.step", 21, 24)]
+    first, second = split_events(events)
+    assert first["rest_s"] == pytest.approx(10e-6)
+    assert second["optimizer_s"] == pytest.approx(3e-6)
+    assert applies_to("graphshard-compiled[bucketing=size]") and applies_to("ddp-compiled")
+    assert not applies_to("graphshard-eager") and not applies_to("fsdp2-prefetch-eager")
+    assert host_tax_cell(None) == "n/a"
+
+
+@pytest.mark.timeout(180)
+def test_bench_column_splits_a_real_step(tmp_path):
+    """A fake world of 2, tiny model: the compiled systems' steps split into non-negative
+    parts that sum to the profiled step, with guards, wrappers and the optimizer nonzero;
+    the eager system has no split."""
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    main(["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--fake-world", "2",
+          "--steps", "3", "--warmup", "1", "--host-tax-steps", "2", "--json", str(out),
+          "--markdown", str(md), "--systems", "graphshard-compiled", "graphshard-eager",
+          "single-compiled"])
+    systems = {s["system"]: s for s in json.loads(out.read_text())["systems"]}
+    assert systems["graphshard-eager"]["host_tax"] is None
+    for name in ("graphshard-compiled", "single-compiled"):
+        split = systems[name]["host_tax"]
+        assert split["steps"] == 2, name
+        parts = [split[f"{b}_s"] for b in BUCKETS]
+        assert min(parts) >= 0, (name, split)
+        assert sum(parts) == pytest.approx(split["step_s"], rel=1e-6), (name, split)
+        for bucket in ("compiled", "guards", "wrappers", "optimizer"):
+            assert split[f"{bucket}_s"] > 0, (name, bucket, split)
+        assert 0 < split["host_s"] < split["step_s"]
+    # DTensor parameters: AdamW's ops go through DTensor's dispatch; plain ones do not
+    assert systems["graphshard-compiled"]["host_tax"]["subclass_by_bucket"]["optimizer"] > 0
+    assert systems["single-compiled"]["host_tax"]["subclass_s"] == 0
+    table = md.read_text()
+    assert "host ms: guards / wrappers / optimizer / rest" in table
+    row = next(line for line in table.splitlines() if line.startswith("| graphshard-compiled "))
+    assert row.endswith(f"| {host_tax_cell(systems['graphshard-compiled']['host_tax'])} |")
