@@ -65,6 +65,14 @@ def region_body(node: fx.Node) -> fx.GraphModule:
     return getattr(owner, node.args[0].target)
 
 
+def _nested_region_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """Region calls inside the graphs of other higher-order ops (a block called in a
+    ``torch.utils.checkpoint`` body), however deep."""
+    for module in gm.modules():
+        if module is not gm and isinstance(module, fx.GraphModule):
+            yield from region_calls(module)
+
+
 def parameters_first_in_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Make each region's gathered parameters its first inputs, in the Dynamo graph.
 
@@ -72,28 +80,35 @@ def parameters_first_in_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModul
     before its first norm weight), and AOTAutograd keeps that order; the region's partitioner
     (:func:`partition_region`) tells parameters from activations by position, so the
     parameter operands (the ``unshard`` markers' results) are moved to the front, in the body
-    and at every call of it alike."""
+    and at every call of it alike, also at calls inside another higher-order op's body
+    (which pass the same operands through that body's inputs)."""
     from graphshard.passes.markers import is_unshard
 
-    orders: dict[str, list[int]] = {}
+    orders: dict[int, list[int]] = {}
     for node in list(region_calls(gm)):
         operands = list(node.args[2:])
         is_param = [isinstance(o, fx.Node) and is_unshard(o) for o in operands]
         order = [i for i, p in enumerate(is_param) if p] + \
             [i for i, p in enumerate(is_param) if not p]
-        name = node.args[0].target
-        if name not in orders:
-            orders[name] = order
+        body = region_body(node)
+        if id(body) not in orders:
+            orders[id(body)] = order
             if order != sorted(order):
-                _permute_placeholders(region_body(node), order)
-        elif orders[name] != order:
+                _permute_placeholders(body, order)
+        elif orders[id(body)] != order:
             raise GraphLoweringError(
-                f"{node.name}: calls of the compile region {name} pass their gathered "
-                "parameters at different positions; the region's body cannot serve both. "
-                "This is a bug in graphshard; compile with graphshard.shard(..., "
+                f"{node.name}: calls of the compile region {node.args[0].target} pass their "
+                "gathered parameters at different positions; the region's body cannot serve "
+                "both. This is a bug in graphshard; compile with graphshard.shard(..., "
                 "compile_blocks_once=False) and please report it."
             )
         node.args = (*node.args[:2], *(operands[i] for i in order))
+    for node in list(_nested_region_calls(gm)):
+        order = orders.get(id(region_body(node)))
+        if order is not None:  # a body the step graph also calls (else left as traced)
+            operands = list(node.args[2:])
+            node.args = (*node.args[:2], *(operands[i] for i in order))
+            node.graph.owning_module.recompile()
     return gm
 
 

@@ -33,6 +33,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
@@ -69,7 +70,15 @@ def _set_region_params(module: nn.Module, gathered: dict) -> None:
 
 
 def _clear_region_params(module: nn.Module) -> None:
-    module.__dict__[REGION_PARAMS_ATTR] = None  # (torch 2.11's Dynamo cannot trace a del)
+    if _CAN_TRACE_DEL:
+        del module.__dict__[REGION_PARAMS_ATTR]
+    else:  # torch 2.11's Dynamo cannot trace the del
+        module.__dict__[REGION_PARAMS_ATTR] = None
+
+
+# torch 2.13's Dynamo traces ``del module.__dict__[key]`` (and defers its checks of side
+# effects in higher-order op bodies); 2.11's does neither.
+_CAN_TRACE_DEL = hasattr(torch._dynamo.side_effects.SideEffects, "defer_side_effect_checks")
 
 
 def _call(fn: Any, *args: Any) -> Any:
