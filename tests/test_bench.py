@@ -127,11 +127,12 @@ def test_graphshard_rows_count_waits_copies_and_the_step_prefetch_check(two_rank
         # the summary's count (gathers, reduce-scatters, the forward's check) is what ran
         assert "profiler saw" not in (s["notes"] or ""), s["notes"]
     assert on["graphshard_summary"]["checks"] == 1 and off["graphshard_summary"]["checks"] == 0
-    # 4 steps (3, then the profiled one), each issuing its 2 leading buckets (prefetch_depth
-    # 1); every forward but the first took what the step before it gathered
+    # 7 steps (3, the profiled one, then the 3 of the host-tax profile), each issuing its 2
+    # leading buckets (prefetch_depth 1); every forward but the first took what the step
+    # before it gathered
     prefetch = on["step_prefetch"]
     assert prefetch["stale"] == 0 and prefetch["fresh"] == 2, prefetch
-    assert prefetch["taken"] == 2 * 3 and prefetch["issued"] == 2 * 4, prefetch
+    assert prefetch["taken"] == 2 * 6 and prefetch["issued"] == 2 * 7, prefetch
     assert "step_prefetch" not in off
     assert on["collectives_per_step"] == off["collectives_per_step"] + 1
     assert on["bytes_per_step"] == off["bytes_per_step"]
