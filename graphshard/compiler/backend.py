@@ -55,14 +55,19 @@ _graph_ids = itertools.count()
 def _detached_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with its own graph (nodes and their meta dicts), the same attributes.
 
-    Inductor's post-grad passes rewrite the graph they are given in place; the copy goes to
-    Inductor so that ``GraphshardBackend.graphs`` keeps the graphs as the passes left them
-    (what the summaries, traffic counts and tests read)."""
+    Inductor's post-grad passes rewrite the graph they are given in place, the bodies of its
+    block regions (subgraph modules) included; the copy goes to Inductor so that
+    ``GraphshardBackend.graphs`` keeps the graphs as the passes left them (what the
+    summaries, traffic counts and tests read)."""
     graph = fx.Graph()
     result, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(result, type_expr=output.type).meta = dict(output.meta)
     graph._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    for name, child in list(copy.named_children()):
+        if isinstance(child, fx.GraphModule):  # a block region's body: Inductor rewrites it too
+            setattr(copy, name, _detached_copy(child))
+    return copy
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
