@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -84,20 +82,6 @@ def test_step_prefetch_gathers_with_the_api_this_torch_has():
         assert step_prefetch._all_gather_single is dist.all_gather_single
     else:  # torch 2.11
         assert step_prefetch._all_gather_single is dist.all_gather_into_tensor
-
-
-@pytest.fixture
-def one_rank():
-    """A real one-rank gloo group (a FileStore) in this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 def test_the_step_prefetch_gather_runs_async_without_a_deprecation_warning(one_rank):

@@ -148,11 +148,11 @@ def _graph_breaks_fall_back() -> None:
     does (Dynamo splits the block's code into graphs), instead of Dynamo's hard error for
     ``nested_compile_region`` ("doesn't work unless it is captured completely"): a block that
     graph-breaks then trains as it would inlined. This is Dynamo's own switch for the
-    higher-order op; it makes no other region stricter."""
-    try:
-        from torch._dynamo.variables.invoke_subgraph import InvokeSubgraphHigherOrderVariable
-    except ImportError:  # torch 2.11 keeps it beside the other higher-order ops
-        from torch._dynamo.variables.higher_order_ops import InvokeSubgraphHigherOrderVariable
+    higher-order op, and it holds for the whole process: a user's own region with a graph
+    break then falls back too, instead of raising."""
+    # (defined here on torch 2.11, re-exported here from its own module on 2.13)
+    from torch._dynamo.variables.higher_order_ops import InvokeSubgraphHigherOrderVariable
+
     InvokeSubgraphHigherOrderVariable._ALLOW_FALLBACK_TO_EAGER = True
 
 
