@@ -153,6 +153,41 @@ def test_blocks_that_differ_compile_each_kind_once(fake2):
     assert len(_bodies(stages["fw"])) == 2
 
 
+def _region_traces() -> int:
+    """How many region bodies Dynamo has traced in this process (each stamped-out copy of an
+    already traced body is not a trace)."""
+    return len(torch._dynamo.utils.compilation_time_metrics.get("invoke_subgraph_trace", []))
+
+
+# torch 2.13's Dynamo stamps out a traced body for a later call that passes its guards; 2.11's
+# traces every call (and AOTAutograd then dedupes the identical bodies).
+_STAMPS_OUT = hasattr(torch._dynamo.variables, "invoke_subgraph") and hasattr(
+    torch._dynamo.variables.invoke_subgraph, "stamp_out_subgraph")
+
+
+def test_dynamo_traces_each_kind_of_block_once(fake2):
+    """graphshard's own hooks inside a block do nothing under tracing and sit under the same
+    keys in every block, so the second block of a kind passes the first one's guards."""
+    model = graphshard.shard(_Mixed())
+    before = _region_traces()
+    torch.compile(model, backend=graphshard.backend(inductor=False))(torch.randn(4, 8)).backward()
+    assert _region_traces() - before == (2 if _STAMPS_OUT else 5)
+
+
+def test_a_users_hook_inside_a_block_still_runs_in_every_block(fake2):
+    """A body whose hooks change outside state is traced at every call, never stamped out
+    with its side effects lost."""
+    model = graphshard.shard(_Mixed())
+    seen = []
+    for block in model.blocks:
+        first = next(block.children())
+        first.register_forward_hook(lambda module, args, out: seen.append(out.shape[-1]))
+    before = _region_traces()
+    torch.compile(model, backend=graphshard.backend(inductor=False))(torch.randn(4, 8)).backward()
+    assert seen == [16, 8, 16, 8, 16]
+    assert _region_traces() - before == 5
+
+
 def test_compile_blocks_once_takes_a_bool():
     with pytest.raises(GraphshardTypeError, match="compile_blocks_once"):
         graphshard.shard(_Mixed(), compile_blocks_once="yes")

@@ -37,11 +37,13 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
-__all__ = ["REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
+__all__ = ["DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
 REGION_PARAMS_ATTR = "_graphshard_region_params"
 _BLOCK_FORWARD = "_graphshard_block_forward"
+# On graphshard's hooks that count running forwards (which decides whether a read gathers).
+DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
 # More than any model has blocks: Dynamo raises when a region's reuse entries exceed this.
 _MAX_REUSE_ENTRIES = 1 << 20
 
@@ -65,15 +67,17 @@ def _region() -> Any:
     return torch.compiler.nested_compile_region(_block_body, **extra)
 
 
-def _set_region_params(module: nn.Module, gathered: dict) -> None:
-    module.__dict__[REGION_PARAMS_ATTR] = gathered
+def _set_region_params(owners: list[nn.Module], gathered: list[dict]) -> None:
+    for module, params in zip(owners, gathered, strict=True):
+        module.__dict__[REGION_PARAMS_ATTR] = params
 
 
-def _clear_region_params(module: nn.Module) -> None:
-    if _CAN_TRACE_DEL:
-        del module.__dict__[REGION_PARAMS_ATTR]
-    else:  # torch 2.11's Dynamo cannot trace the del
-        module.__dict__[REGION_PARAMS_ATTR] = None
+def _clear_region_params(owners: list[nn.Module]) -> None:
+    for module in owners:
+        if _CAN_TRACE_DEL:
+            del module.__dict__[REGION_PARAMS_ATTR]
+        else:  # torch 2.11's Dynamo cannot trace the del
+            module.__dict__[REGION_PARAMS_ATTR] = None
 
 
 # torch 2.13's Dynamo traces ``del module.__dict__[key]`` (and defers its checks of side
@@ -93,19 +97,44 @@ _unchecked = getattr(
     torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
 
 
+# (path from the block, parameter names) of each submodule holding sharded parameters, one
+# entry per distinct layout; a served block holds the index of its layout.
+_OWNER_LAYOUTS: list[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = []
+_LAYOUT_ATTR = "_graphshard_param_layout"
+
+
+def _layout_index(block: nn.Module) -> int:
+    layout = tuple((tuple(path.split(".")) if path else (), tuple(specs))
+                   for path, sub in block.named_modules()
+                   if (specs := sub.__dict__.get("_graphshard_specs")))
+    if layout not in _OWNER_LAYOUTS:
+        _OWNER_LAYOUTS.append(layout)
+    return _OWNER_LAYOUTS.index(layout)
+
+
+@torch.compiler.assume_constant_result
+def _param_owners(layout: int) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Where a block's sharded parameters sit, fixed by ``shard()``: Dynamo takes it as a
+    constant (one guard, on the index), instead of tracing and guarding a walk over every
+    submodule at every block. (The index, not the block, is the argument: a guard on the
+    block's identity would keep the next block from reusing this one's traced body.)"""
+    return _OWNER_LAYOUTS[layout]
+
+
 def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.Tensor]]:
     """Read every parameter of ``block`` through its sharded attribute (an ``unshard`` marker
     each, in the step graph) and leave the results where the attribute reads inside the
     region find them."""
-    owners, flat = [], []
-    for sub in block.modules():
-        specs = sub.__dict__.get("_graphshard_specs")
-        if not specs:
-            continue
-        gathered = {name: getattr(sub, name) for name in specs}
-        _unchecked(_set_region_params, sub, gathered)
+    owners, gathered, flat = [], [], []
+    for path, names in _param_owners(block.__dict__[_LAYOUT_ATTR]):
+        sub = block
+        for name in path:
+            sub = getattr(sub, name)
+        params = {name: getattr(sub, name) for name in names}
         owners.append(sub)
-        flat.extend(gathered.values())
+        gathered.append(params)
+        flat.extend(params.values())
+    _unchecked(_set_region_params, owners, gathered)
     return owners, flat
 
 
@@ -118,8 +147,7 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         return _REGION[0](self, tuple(flat), *args, **kwargs)
     finally:
-        for sub in owners:
-            _unchecked(_clear_region_params, sub)
+        _unchecked(_clear_region_params, owners)
 
 
 @functools.cache
@@ -156,6 +184,53 @@ def _graph_breaks_fall_back() -> None:
     InvokeSubgraphHigherOrderVariable._ALLOW_FALLBACK_TO_EAGER = True
 
 
+@functools.cache
+def _eager_only(hook: Any) -> Any:
+    """``hook``, skipped while Dynamo traces (where it folds to ``return None``); one wrapper
+    per hook, so that every block calls the same function."""
+
+    def run_eagerly(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return hook(*args)
+
+    return run_eagerly
+
+
+# The keys graphshard's depth hooks get on a block's submodules (a user's hooks keep their
+# handles' keys, which are positive).
+_PRE_HOOK_KEY, _POST_HOOK_KEY = -1, -2
+
+
+def _rekey_depth_hooks(hooks: dict, key: int, always_called: dict | None = None) -> None:
+    """Swap graphshard's depth hook in ``hooks`` (a module's hook dict, in run order) for its
+    eager-only wrapper under ``key``."""
+    entries = list(hooks.items())
+    hooks.clear()
+    for old, hook in entries:
+        if getattr(hook, DEPTH_HOOK_ATTR, False):
+            if always_called is not None and always_called.pop(old, False):
+                always_called[key] = True
+            old, hook = key, _eager_only(hook)
+        hooks[old] = hook
+
+
+def _count_depth_eagerly_inside(block: nn.Module) -> None:
+    """Let Dynamo trace an identical block once and stamp it out for the others.
+
+    Inside a region every parameter read returns its operand, so the forward-depth count of
+    the block's submodules is not needed while compiling, and its state change would make the
+    body ineligible for Dynamo's reuse (a body with side effects is traced again at every
+    call). Their counting hooks are skipped under tracing (the block's own hooks run outside
+    the region and still count; eagerly nothing changes), and they sit under the same keys in
+    every block: Dynamo guards a hook's key, and a handle's key differs from block to block."""
+    for sub in block.modules():
+        if sub is not block:
+            _rekey_depth_hooks(sub._forward_pre_hooks, _PRE_HOOK_KEY)
+            _rekey_depth_hooks(sub._forward_hooks, _POST_HOOK_KEY,
+                               sub._forward_hooks_always_called)
+
+
 def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
     """Make each block of ``blocks`` (the main ModuleList/Sequential) run as a compile region
     under ``torch.compile``; returns the blocks that will."""
@@ -169,5 +244,7 @@ def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
         if _servable(block) and n_params:
             _REGION[:] = [_region()]
             block.__class__ = _region_class(type(block))
+            block.__dict__[_LAYOUT_ATTR] = _layout_index(block)
+            _count_depth_eagerly_inside(block)
             served.append(block)
     return served

@@ -35,7 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
-from graphshard.api.block_regions import REGION_PARAMS_ATTR, install_block_regions
+from graphshard.api.block_regions import (
+    DEPTH_HOOK_ATTR,
+    REGION_PARAMS_ATTR,
+    install_block_regions,
+)
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
@@ -145,6 +149,7 @@ def _enter_forward(state: ShardState):
     def hook(module: nn.Module, args: Any) -> None:
         _count_forward(_add_forward_depth, state, 1)
 
+    setattr(hook, DEPTH_HOOK_ATTR, True)
     return hook
 
 
@@ -158,6 +163,7 @@ def _exit_forward(state: ShardState):
                 return
             check_same_forward(state, end_eager_reads(state))
 
+    setattr(hook, DEPTH_HOOK_ATTR, True)
     return hook
 
 
@@ -336,19 +342,30 @@ def reads_gather(state: ShardState) -> bool:
     )
 
 
+@torch.compiler.assume_constant_result
+def _fixed_spec(module: nn.Module, pname: str) -> UnshardSpec:
+    """The ``unshard`` arguments ``shard()`` fixed for ``module.<pname>``. They never change
+    after ``shard()``, so Dynamo takes them as constants behind one identity guard on the
+    module, instead of guarding each of their fields on every parameter (some thirty guards
+    per parameter, evaluated at every step)."""
+    return module._graphshard_specs[pname][1]
+
+
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
     def make_property(pname: str) -> property:
         def get(self):
             region = self.__dict__.get(REGION_PARAMS_ATTR)
             if region is not None:  # inside a block's compile region: gathered outside it
                 return region[pname]
-            entry, spec = self._graphshard_specs[pname]
+            # (the dict read as _gather_block_params reads it: one source, no aliasing guard)
+            entry = self.__dict__["_graphshard_specs"][pname][0]
+            spec = _fixed_spec(self, pname)
             state = self._graphshard_root_state
             param = self._parameters[pname]
             if not reads_gather(state):
                 return param
             full = read_param(param.to_local(), entry, spec, state.sync)
-            if state.forward_depth > 0 and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and state.forward_depth > 0:
                 note_eager_read(state, full, entry.names[0])
             return full
 
