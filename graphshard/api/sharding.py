@@ -342,13 +342,20 @@ def reads_gather(state: ShardState) -> bool:
     )
 
 
+# Every UnshardSpec shard() made; a sharded module holds its parameters' indices here
+# (``_graphshard_spec_index``: parameter name -> index).
+_SPECS: list[UnshardSpec] = []
+_SPEC_INDEX_ATTR = "_graphshard_spec_index"
+
+
 @torch.compiler.assume_constant_result
-def _fixed_spec(module: nn.Module, pname: str) -> UnshardSpec:
-    """The ``unshard`` arguments ``shard()`` fixed for ``module.<pname>``. They never change
-    after ``shard()``, so Dynamo takes them as constants behind one identity guard on the
-    module, instead of guarding each of their fields on every parameter (some thirty guards
-    per parameter, evaluated at every step)."""
-    return module._graphshard_specs[pname][1]
+def _fixed_spec(index: int) -> tuple:
+    """The ``unshard`` arguments ``shard()`` fixed for a parameter. They never change after
+    ``shard()``, so Dynamo takes them as a constant behind one guard (on the index) instead
+    of guarding each of their fields on every parameter (some thirty guards per parameter,
+    evaluated at every step). (An index, not the module: torch 2.11's Dynamo takes only
+    constants as the arguments of such a function, and a plain tuple as its result.)"""
+    return tuple(_SPECS[index])
 
 
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
@@ -359,7 +366,7 @@ def _sharded_class(cls: type, names: Iterable[str]) -> type:
                 return region[pname]
             # (the dict read as _gather_block_params reads it: one source, no aliasing guard)
             entry = self.__dict__["_graphshard_specs"][pname][0]
-            spec = _fixed_spec(self, pname)
+            spec = _fixed_spec(self.__dict__[_SPEC_INDEX_ATTR][pname])
             state = self._graphshard_root_state
             param = self._parameters[pname]
             if not reads_gather(state):
@@ -599,6 +606,9 @@ def shard(
             )
             specs[pname] = (entry, spec)
         sub._graphshard_specs = specs
+        for pname, (_, spec) in specs.items():
+            _SPECS.append(spec)
+            sub.__dict__.setdefault(_SPEC_INDEX_ATTR, {})[pname] = len(_SPECS) - 1
         sub._graphshard_root_state = state
         sub.__class__ = _sharded_class(type(sub), specs)
     if mixed_precision is not None:
