@@ -184,17 +184,22 @@ def _graph_breaks_fall_back() -> None:
     InvokeSubgraphHigherOrderVariable._ALLOW_FALLBACK_TO_EAGER = True
 
 
-@functools.cache
+_EAGER_ONLY_ATTR = "_graphshard_eager_only"
+
+
 def _eager_only(hook: Any) -> Any:
     """``hook``, skipped while Dynamo traces (where it folds to ``return None``); one wrapper
-    per hook, so that every block calls the same function."""
+    per hook, kept on the hook, so that every block calls the same function."""
+    wrapper = getattr(hook, _EAGER_ONLY_ATTR, None)
+    if wrapper is None:
 
-    def run_eagerly(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return None
-        return hook(*args)
+        def wrapper(*args: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return None
+            return hook(*args)
 
-    return run_eagerly
+        setattr(hook, _EAGER_ONLY_ATTR, wrapper)
+    return wrapper
 
 
 # The keys graphshard's depth hooks get on a block's submodules (a user's hooks keep their
