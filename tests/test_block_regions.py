@@ -288,3 +288,28 @@ def test_a_graph_break_inside_a_block_splits_it_instead_of_failing(one_rank):
     assert len(backend.graphs) > 1  # the breaks split the step
     for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+
+
+def _guard_lines(model: nn.Module) -> list[str]:
+    """The guards of the compiled frame of ``model``'s forward, one line each."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
+    lines = [line.split("+- ", 1)[1] for line in str(entry.guard_manager).splitlines()
+             if "+- " in line]
+    return [line for line in lines if not line.split(":", 1)[0].endswith("Manager")]
+
+
+def test_what_shard_fixed_is_not_guarded_field_by_field(fake2):
+    """A parameter's unshard arguments and a block's layout never change after shard(): Dynamo
+    takes them as constants behind one guard, not a guard on every field at every step."""
+    model = _llama(layers=3)
+    tokens = _tokens()
+    torch.compile(model, backend=graphshard.backend(inductor=False))(tokens, tokens)
+    lines = _guard_lines(model)
+    assert not [line for line in lines if "_graphshard_specs'][" in line and "][1]" in line]
+    assert not [line for line in lines if "named_modules" in line]
+    # What remains per parameter: its DTensor's guards, its no_sync state, its spec's index,
+    # its module's hooks: 37.5 on torch 2.13 for this model, 67 when every field was guarded.
+    n_params = sum(1 for _ in model.parameters())
+    assert len(lines) < 45 * n_params
