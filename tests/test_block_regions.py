@@ -313,3 +313,38 @@ def test_what_shard_fixed_is_not_guarded_field_by_field(fake2):
     # its module's hooks: 37.5 on torch 2.13 for this model, 67 when every field was guarded.
     n_params = sum(1 for _ in model.parameters())
     assert len(lines) < 45 * n_params
+
+
+class _Scaled(nn.Module):
+    """A submodule with a method of its own that computes with its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+    def twice(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight * self.weight
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.proj = _Scaled(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.scale(x))
+
+
+def test_a_registered_method_of_a_block_submodule_still_gathers(one_rank):
+    """The depth hooks of a block's submodules still run eagerly, also for a method that
+    register_forward_method made a forward."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ScaledBlock(), _ScaledBlock())
+    model = graphshard.shard(copy.deepcopy(reference))
+    scale = model[0].scale
+    graphshard.register_forward_method(scale, "twice")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(scale.twice(x), reference[0].scale.twice(x))

@@ -37,6 +37,8 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
+from graphshard.api.forward_methods import mark_forward_hook
+
 __all__ = ["DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
@@ -193,6 +195,7 @@ def _eager_only(hook: Any) -> Any:
     wrapper = getattr(hook, _EAGER_ONLY_ATTR, None)
     if wrapper is None:
 
+        @mark_forward_hook  # a registered forward method still runs it
         def wrapper(*args: Any) -> Any:
             if torch.compiler.is_compiling():
                 return None
