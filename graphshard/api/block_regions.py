@@ -12,8 +12,9 @@ buckets by) runs, under ``torch.compile``, as a call to one
   markers, and passed in as its first operands; inside, each attribute read returns the
   operand (:data:`REGION_PARAMS_ATTR`). The step graph so keeps every marker, and the
   passes bucket, prefetch and reshard exactly as before (block k+1's gather under block k);
-- the region's body is pure compute. Dynamo still traces each call, but identical bodies
-  become one ``invoke_subgraph`` subgraph, which AOTAutograd partitions and Inductor
+- the region's body is pure compute. Dynamo traces one block of each kind and stamps it out
+  for the others (torch 2.13; 2.11 traces each call), and identical bodies become one
+  ``invoke_subgraph`` subgraph, which AOTAutograd partitions and Inductor
   compiles once per distinct block (another shape, dtype or module gets its own);
 - the backend partitions each region's joint graph with
   :func:`graphshard.passes.regions.partition_region`, and the joint pass
