@@ -25,6 +25,7 @@ from torch import fx
 
 from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
 from graphshard.passes.markers import TAKE_PREFETCHED
+from graphshard.passes.regions import is_region_call, region_body
 
 __all__ = [
     "HardwareProfile",
@@ -329,17 +330,12 @@ def _sdpa_flops(q: list[int], k: list[int], v: list[int]) -> int:
     return 2 * math.prod(batch) * s_q * s_k * (d + d_v)  # QK^T and PV
 
 
-@_names_node
 def _region_nodes(node: fx.Node) -> list[fx.Node] | None:
     """The nodes a block region's call (``invoke_subgraph``) runs; None for other nodes."""
-    if node.op != "call_function" or node.target is not getattr(
-            torch.ops.higher_order, "invoke_subgraph", None):
-        return None
-    from graphshard.passes.regions import region_body
-
-    return list(region_body(node).graph.nodes)
+    return list(region_body(node).graph.nodes) if is_region_call(node) else None
 
 
+@_names_node
 def node_flops(node: fx.Node) -> int:
     """FLOPs of matmul-like ``node`` (a multiply-add counts 2), or of every node a block
     region's call runs; 0 for other ops."""

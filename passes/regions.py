@@ -31,12 +31,14 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.markers import is_unshard
 
 if TYPE_CHECKING:
     from graphshard.passes.plan import Plan
 
 __all__ = [
     "REGION_AC_GRAPH_ID",
+    "is_region_call",
     "joint_primal_signature",
     "parameters_first_in_regions",
     "partition_region",
@@ -51,12 +53,15 @@ __all__ = [
 REGION_AC_GRAPH_ID = 1 << 30
 
 
+def is_region_call(node: fx.Node) -> bool:
+    """Whether ``node`` calls a block region (``invoke_subgraph``)."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    return node.op == "call_function" and hop is not None and node.target is hop
+
+
 def region_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
     """The ``invoke_subgraph`` calls of ``gm`` (one per block call)."""
-    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and hop is not None and node.target is hop:
-            yield node
+    return (node for node in gm.graph.nodes if is_region_call(node))
 
 
 def region_body(node: fx.Node) -> fx.GraphModule:
@@ -82,8 +87,6 @@ def parameters_first_in_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModul
     parameter operands (the ``unshard`` markers' results) are moved to the front, in the body
     and at every call of it alike, also at calls inside another higher-order op's body
     (which pass the same operands through that body's inputs)."""
-    from graphshard.passes.markers import is_unshard
-
     orders: dict[int, list[int]] = {}
     for node in list(region_calls(gm)):
         operands = list(node.args[2:])
@@ -137,8 +140,6 @@ def region_parameter_counts(gm: fx.GraphModule) -> dict[tuple, int]:
     them, first, are gathered parameters. AOTAutograd hands the backend's partitioner each
     region's joint graph alone; this is how the partitioner recognises one (its primals have
     these shapes) and knows which of its inputs are parameters."""
-    from graphshard.passes.markers import is_unshard
-
     counts: dict[tuple, int] = {}
     for node in region_calls(gm):
         operands = node.args[2:]

@@ -1,5 +1,6 @@
 """Test setup: one Inductor cache for the whole run, inherited by every spawned rank; the
-``one_rank`` fixture (a real one-rank gloo group in the test's own process)."""
+``one_rank`` fixture (a real one-rank gloo group in the test's own process) and ``fake2`` (a
+fake process group of 2, for tests that look at graphs)."""
 
 import os
 import sys
@@ -31,3 +32,16 @@ def one_rank():
         finally:
             dist.destroy_process_group()
             torch._dynamo.reset()
+
+
+@pytest.fixture
+def fake2():
+    """A fake process group of 2 ranks in this process (graphs only: its collectives move
+    nothing) and torch's seed 0; afterwards Dynamo is reset."""
+    import torch
+    from graph_utils import fake_process_group
+
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        yield
+    torch._dynamo.reset()

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from graph_utils import c10d, calls, fake_process_group
+from graph_utils import c10d, calls
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -22,14 +22,6 @@ from graphshard.passes.markers import is_unshard
 from graphshard.passes.regions import region_calls
 
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
-
-
-@pytest.fixture
-def fake2():
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        yield
-    torch._dynamo.reset()
 
 
 def _llama(layers: int = 3, **shard_options) -> Llama:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from graph_utils import TwoBlock, c10d, calls, fake_process_group
+from graph_utils import TwoBlock, c10d, calls
 from torch import nn
 
 import graphshard
@@ -13,14 +12,7 @@ from graphshard.passes.layout import Dim0Layout
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 
 
-@pytest.fixture
-def world2():
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        yield
-
-
-def test_no_grad_forward_gathers_and_never_reduces(world2):
+def test_no_grad_forward_gathers_and_never_reduces(fake2):
     backend = graphshard.backend(inductor=False)
     model = torch.compile(graphshard.shard(TwoBlock()), backend=backend)
     with torch.no_grad():
@@ -31,7 +23,7 @@ def test_no_grad_forward_gathers_and_never_reduces(world2):
     assert calls(stages["inference"], RS) == []
 
 
-def test_frozen_parameters_are_gathered_but_never_reduced(world2):
+def test_frozen_parameters_are_gathered_but_never_reduced(fake2):
     model = TwoBlock()
     model.blocks[0].up.requires_grad_(False)
     graphshard.shard(model)
@@ -57,7 +49,7 @@ class Breaks(TwoBlock):
         return self.head(x)
 
 
-def test_each_graph_of_a_graph_break_gathers_only_what_it_uses(world2):
+def test_each_graph_of_a_graph_break_gathers_only_what_it_uses(fake2):
     backend = graphshard.backend(inductor=False)
     model = graphshard.shard(Breaks())
     torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
@@ -76,7 +68,7 @@ def test_each_graph_of_a_graph_break_gathers_only_what_it_uses(world2):
     assert sorted(reduced) == sorted(name for name, _ in Breaks().named_parameters())
 
 
-def test_buffers_stay_whole_and_out_of_collectives(world2):
+def test_buffers_stay_whole_and_out_of_collectives(fake2):
     model = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
     graphshard.shard(model)
     assert model[1].running_mean.shape == (6,)

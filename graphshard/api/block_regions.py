@@ -40,7 +40,8 @@ from torch import nn
 
 from graphshard.api.forward_methods import mark_forward_hook
 
-__all__ = ["DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
+__all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
+           "install_block_regions", "region_forward", "unchecked_side_effect"]
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
 REGION_PARAMS_ATTR = "_graphshard_region_params"
@@ -77,15 +78,17 @@ def _set_region_params(owners: list[nn.Module], gathered: list[dict]) -> None:
 
 def _clear_region_params(owners: list[nn.Module]) -> None:
     for module in owners:
-        if _CAN_TRACE_DEL:
+        if DEFERS_SIDE_EFFECT_CHECKS:
             del module.__dict__[REGION_PARAMS_ATTR]
         else:  # torch 2.11's Dynamo cannot trace the del
             module.__dict__[REGION_PARAMS_ATTR] = None
 
 
-# torch 2.13's Dynamo traces ``del module.__dict__[key]`` (and defers its checks of side
-# effects in higher-order op bodies); 2.11's does neither.
-_CAN_TRACE_DEL = hasattr(torch._dynamo.side_effects.SideEffects, "defer_side_effect_checks")
+# torch 2.13's Dynamo defers its checks of side effects in a higher-order op's body (and
+# accepts a change undone before the body exits) and traces ``del module.__dict__[key]``;
+# 2.11's does neither.
+DEFERS_SIDE_EFFECT_CHECKS = hasattr(torch._dynamo.side_effects.SideEffects,
+                                    "defer_side_effect_checks")
 
 
 def _call(fn: Any, *args: Any) -> Any:
@@ -96,27 +99,31 @@ def _call(fn: Any, *args: Any) -> Any:
 # side effect"), e.g. a block called inside a ``torch.utils.checkpoint`` body. The region's
 # parameters are set and removed again before the body exits; this hatch lets Dynamo accept
 # that (eagerly it is a plain call).
-_unchecked = getattr(
+unchecked_side_effect = getattr(
     torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
 
 
 # (path from the block, parameter names) of each submodule holding sharded parameters, one
 # entry per distinct layout; a served block holds the index of its layout.
-_OWNER_LAYOUTS: list[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = []
+_Layout = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
+_OWNER_LAYOUTS: list[_Layout] = []
 _LAYOUT_ATTR = "_graphshard_param_layout"
 
 
-def _layout_index(block: nn.Module) -> int:
-    layout = tuple((tuple(path.split(".")) if path else (), tuple(specs))
-                   for path, sub in block.named_modules()
-                   if (specs := sub.__dict__.get("_graphshard_specs")))
+def _param_layout(block: nn.Module) -> _Layout:
+    return tuple((tuple(path.split(".")) if path else (), tuple(specs))
+                 for path, sub in block.named_modules()
+                 if (specs := sub.__dict__.get("_graphshard_specs")))
+
+
+def _layout_index(layout: _Layout) -> int:
     if layout not in _OWNER_LAYOUTS:
         _OWNER_LAYOUTS.append(layout)
     return _OWNER_LAYOUTS.index(layout)
 
 
 @torch.compiler.assume_constant_result
-def _param_owners(layout: int) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+def _param_owners(layout: int) -> _Layout:
     """Where a block's sharded parameters sit, fixed by ``shard()``: Dynamo takes it as a
     constant (one guard, on the index), instead of tracing and guarding a walk over every
     submodule at every block. (The index, not the block, is the argument: a guard on the
@@ -137,7 +144,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         owners.append(sub)
         gathered.append(params)
         flat.extend(params.values())
-    _unchecked(_set_region_params, owners, gathered)
+    unchecked_side_effect(_set_region_params, owners, gathered)
     return owners, flat
 
 
@@ -150,7 +157,7 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         return _REGION[0](self, tuple(flat), *args, **kwargs)
     finally:
-        _unchecked(_clear_region_params, owners)
+        unchecked_side_effect(_clear_region_params, owners)
 
 
 @functools.cache
@@ -246,14 +253,13 @@ def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
     if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
         return []
     _graph_breaks_fall_back()
+    _REGION[:] = [_region()]
     served = []
     for block in blocks:
-        n_params = sum(len(sub.__dict__.get("_graphshard_specs") or {})
-                       for sub in block.modules())
-        if _servable(block) and n_params:
-            _REGION[:] = [_region()]
+        layout = _param_layout(block)
+        if layout and _servable(block):
             block.__class__ = _region_class(type(block))
-            block.__dict__[_LAYOUT_ATTR] = _layout_index(block)
+            block.__dict__[_LAYOUT_ATTR] = _layout_index(layout)
             _count_depth_eagerly_inside(block)
             served.append(block)
     return served

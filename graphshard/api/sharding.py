@@ -26,8 +26,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
-import torch._dynamo.side_effects
-import torch._dynamo.utils
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -36,9 +34,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
 from graphshard.api.block_regions import (
+    DEFERS_SIDE_EFFECT_CHECKS,
     DEPTH_HOOK_ATTR,
     REGION_PARAMS_ATTR,
     install_block_regions,
+    unchecked_side_effect,
 )
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
@@ -124,30 +124,23 @@ def _add_forward_depth(state: ShardState, step: int) -> None:
     state.forward_depth += step
 
 
-def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
-
-
-def _forward_counter() -> Any:
-    """How the forward hooks change the count. It goes up and back down inside every module
+def _count_forward(state: ShardState, step: int) -> None:
+    """Change the count of running forwards. It goes up and back down inside every module
     call, also inside a ``torch.utils.checkpoint`` body. Dynamo from torch 2.13 defers its
     check of such a body's side effects and accepts one undone before the body exits; torch
     2.11's refuses any mutation of an outside object there ("HOP: Unsafe side effect"), and
     the checkpointed block would fall back to eager. There the change goes through Dynamo's
     hatch that allows it (eagerly, a plain call)."""
-    if hasattr(torch._dynamo.side_effects.SideEffects, "defer_side_effect_checks"):
-        return _call
-    return getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer",
-                   _call)
-
-
-_count_forward = _forward_counter()
+    if DEFERS_SIDE_EFFECT_CHECKS:
+        state.forward_depth += step
+    else:
+        unchecked_side_effect(_add_forward_depth, state, step)
 
 
 def _enter_forward(state: ShardState):
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
-        _count_forward(_add_forward_depth, state, 1)
+        _count_forward(state, 1)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)
     return hook
@@ -156,7 +149,7 @@ def _enter_forward(state: ShardState):
 def _exit_forward(state: ShardState):
     @mark_forward_hook
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        _count_forward(_add_forward_depth, state, -1)
+        _count_forward(state, -1)
         if state.forward_depth == 0 and state.eager_reads:
             if sys.exc_info()[1] is not None:  # unwinding an error: only forget the reads
                 state.eager_reads = []
@@ -342,10 +335,15 @@ def reads_gather(state: ShardState) -> bool:
     )
 
 
-# Every UnshardSpec shard() made; a sharded module holds its parameters' indices here
-# (``_graphshard_spec_index``: parameter name -> index).
-_SPECS: list[UnshardSpec] = []
+# Every UnshardSpec shard() made, as the plain tuple Dynamo takes; a sharded module holds its
+# parameters' indices here (``_graphshard_spec_index``: parameter name -> index).
+_SPECS: list[tuple] = []
 _SPEC_INDEX_ATTR = "_graphshard_spec_index"
+
+
+def _register_spec(spec: UnshardSpec) -> int:
+    _SPECS.append(tuple(spec))
+    return len(_SPECS) - 1
 
 
 @torch.compiler.assume_constant_result
@@ -355,7 +353,7 @@ def _fixed_spec(index: int) -> tuple:
     of guarding each of their fields on every parameter (some thirty guards per parameter,
     evaluated at every step). (An index, not the module: torch 2.11's Dynamo takes only
     constants as the arguments of such a function, and a plain tuple as its result.)"""
-    return tuple(_SPECS[index])
+    return _SPECS[index]
 
 
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
@@ -606,9 +604,8 @@ def shard(
             )
             specs[pname] = (entry, spec)
         sub._graphshard_specs = specs
-        for pname, (_, spec) in specs.items():
-            _SPECS.append(spec)
-            sub.__dict__.setdefault(_SPEC_INDEX_ATTR, {})[pname] = len(_SPECS) - 1
+        sub.__dict__[_SPEC_INDEX_ATTR] = {
+            pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
         sub._graphshard_root_state = state
         sub.__class__ = _sharded_class(type(sub), specs)
     if mixed_precision is not None:
