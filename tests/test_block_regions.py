@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -307,6 +309,22 @@ def test_what_shard_fixed_is_not_guarded_field_by_field(fake2):
     assert len(lines) < 45 * n_params
 
 
+def test_the_model_state_is_one_object_to_dynamo_and_another_shard_keeps_the_graph(fake2):
+    """Each sharded module reaches its model's state through one global entry, so Dynamo
+    checks no aliasing among the modules' copies of it at every step, and sharding another
+    model afterwards does not fail the first model's guards (no recompilation)."""
+    model = _llama(layers=3)
+    tokens = _tokens()
+    compiled = torch.compile(model, backend=graphshard.backend(inductor=False))
+    compiled(tokens, tokens)
+    aliasing = [line for line in _guard_lines(model) if "_graphshard_root_state" in line]
+    assert not aliasing  # was one per sharded module, each checked at every step
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    _llama(layers=2)  # another model sharded in the same process
+    compiled(tokens, tokens)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
 class _Scaled(nn.Module):
     """A submodule with a method of its own that computes with its parameter."""
 
@@ -340,3 +358,79 @@ def test_a_registered_method_of_a_block_submodule_still_gathers(one_rank):
     graphshard.register_forward_method(scale, "twice")
     x = torch.randn(4, 8)
     torch.testing.assert_close(scale.twice(x), reference[0].scale.twice(x))
+
+
+def test_a_regions_schema_is_traced_per_kind_of_block_not_per_block(fake2, monkeypatch):
+    """torch re-traces a region's body for its schema at every call that needs gradients
+    (about three per block while AOTAutograd traces); graphshard's backend computes it once
+    per distinct body and tracing state, however many blocks call it."""
+    import torch._higher_order_ops.utils as hop_utils
+
+    traced = []
+    materialize = hop_utils.materialize_as_graph
+
+    def counting(fn, *args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "gen_schema":  # (not the backward's own trace)
+            traced.append(fn)
+        return materialize(fn, *args, **kwargs)
+
+    monkeypatch.setattr(hop_utils, "materialize_as_graph", counting)
+    counts = []
+    for n_blocks in (5, 9):
+        model = _Mixed()
+        model.blocks.extend([_Wide() if i % 2 else _Gated() for i in range(n_blocks - 5)])
+        graphshard.shard(model)
+        traced.clear()
+        torch.compile(model, backend=graphshard.backend(inductor=False))(
+            torch.randn(4, 8)).backward()
+        torch._dynamo.reset()
+        counts.append(len(traced))
+    assert counts[0] == counts[1] > 0  # uncached: 19 and 31
+
+
+class _Keyed(nn.Module):
+    """A block called with keyword arguments, as Hugging Face's decoder layers are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gate = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, shift: float = 0.0,
+                gated: bool = True) -> torch.Tensor:
+        out = self.proj(x) * scale + shift
+        return out * torch.sigmoid(self.gate(x)) if gated else out
+
+
+class _KeyedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Keyed() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.linspace(0.5, 1.5, 8)
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, scale=scale, shift=0.5, gated=i != 1)
+        return x.square().mean()
+
+
+def test_blocks_called_with_keywords_get_them_inside_the_region(one_rank):
+    """Keyword arguments reach the region's body by name (as flat operands). The two blocks
+    called alike share a region; the middle one, gated differently, gets a body of its own
+    (which torch 2.13's Dynamo inlines, being used once) and is computed with its own
+    arguments."""
+    torch.manual_seed(0)
+    reference, x = _KeyedStack(), torch.randn(4, 8)
+    model = graphshard.shard(copy.deepcopy(reference))
+    reference(x).backward()
+    backend = graphshard.backend(inductor=False)
+    torch.compile(model, backend=backend)(x).backward()
+    (stages,) = backend.graphs
+    bodies = Counter(node.args[0].target for node in region_calls(stages["fw"]))
+    assert max(bodies.values()) == 2  # (torch 2.11 keeps the middle block's own region too)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        if name.startswith("blocks.1.gate."):  # not used by the ungated block
+            assert want.grad is None and got.grad is None
+        else:
+            torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)

@@ -52,8 +52,15 @@ DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
 _MAX_REUSE_ENTRIES = 1 << 20
 
 
-def _block_body(block: nn.Module, params: tuple, *args: Any, **kwargs: Any) -> Any:
-    """What a region runs: the block's own forward (its attribute reads return ``params``)."""
+def _block_body(block: nn.Module, n_params: int, n_args: int, *operands: Any) -> Any:
+    """What a region runs: the block's own forward (its attribute reads return the first
+    ``n_params`` operands). The operands are flat, with the keyword arguments' names among
+    them as strings, so Dynamo fingerprints them without tracing a pytree flatten at every
+    block."""
+    args = operands[n_params:n_params + n_args]
+    keywords = operands[n_params + n_args:]
+    half = len(keywords) // 2
+    kwargs = dict(zip(keywords[:half], keywords[half:], strict=True))
     return getattr(type(block), _BLOCK_FORWARD)(block, *args, **kwargs)
 
 
@@ -155,7 +162,7 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(self, *args, **kwargs)
     owners, flat = _gather_block_params(self)
     try:
-        return _REGION[0](self, tuple(flat), *args, **kwargs)
+        return _REGION[0](self, len(flat), len(args), *flat, *args, *kwargs, *kwargs.values())
     finally:
         unchecked_side_effect(_clear_region_params, owners)
 

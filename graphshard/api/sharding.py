@@ -21,7 +21,9 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -356,22 +358,53 @@ def _fixed_spec(index: int) -> tuple:
     return _SPECS[index]
 
 
+# Every sharded root's ShardState (dropped once the root is collected); a sharded module holds
+# its root's index (``_graphshard_state_index``). Read through each module's own attribute,
+# the one state would reach Dynamo under as many names as there are modules, and Dynamo would
+# check at every step, in Python, that they are still one object (an aliasing guard each).
+# (A dict, not a list: Dynamo guards only the key a step reads, where it would guard a
+# list's length and recompile whenever another model is sharded.)
+_ROOT_STATES: dict[int, ShardState] = {}
+_STATE_INDEX_ATTR = "_graphshard_state_index"
+
+
+def _register_state(root: nn.Module, state: ShardState) -> int:
+    index = next(_STATE_INDICES)
+    _ROOT_STATES[index] = state
+    weakref.finalize(root, _ROOT_STATES.pop, index, None)
+    return index
+
+
+_STATE_INDICES = itertools.count()
+
+
+def gathered_param(module: nn.Module, pname: str) -> torch.Tensor:
+    """The full parameter ``pname`` of the sharded ``module``, through its ``unshard``
+    marker: what reading the attribute means inside a forward, a backward or while Dynamo
+    traces. (Block regions read their parameters through it directly; Dynamo traces this
+    once per parameter, so it is kept short.)"""
+    attrs = module.__dict__
+    entry = attrs["_graphshard_specs"][pname][0]
+    spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
+    state = _ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
+    return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
+
+
 def _sharded_class(cls: type, names: Iterable[str]) -> type:
     def make_property(pname: str) -> property:
         def get(self):
-            region = self.__dict__.get(REGION_PARAMS_ATTR)
+            attrs = self.__dict__
+            region = attrs.get(REGION_PARAMS_ATTR)
             if region is not None:  # inside a block's compile region: gathered outside it
                 return region[pname]
-            # (the dict read as _gather_block_params reads it: one source, no aliasing guard)
-            entry = self.__dict__["_graphshard_specs"][pname][0]
-            spec = _fixed_spec(self.__dict__[_SPEC_INDEX_ATTR][pname])
-            state = self._graphshard_root_state
-            param = self._parameters[pname]
+            if torch.compiler.is_compiling():
+                return gathered_param(self, pname)
+            state = attrs["_graphshard_root_state"]
             if not reads_gather(state):
-                return param
-            full = read_param(param.to_local(), entry, spec, state.sync)
-            if not torch.compiler.is_compiling() and state.forward_depth > 0:
-                note_eager_read(state, full, entry.names[0])
+                return self._parameters[pname]
+            full = gathered_param(self, pname)
+            if state.forward_depth > 0:
+                note_eager_read(state, full, attrs["_graphshard_specs"][pname][0].names[0])
             return full
 
         return property(get)
@@ -581,6 +614,7 @@ def shard(
                 entry.names.append(fqn)
             owners.setdefault(id(sub), (sub, []))[1].append(pname)
 
+    state_index = _register_state(module, state)
     for sub, pnames in owners.values():
         if getattr(sub, "_graphshard_specs", None) is not None:
             continue
@@ -607,6 +641,7 @@ def shard(
         sub.__dict__[_SPEC_INDEX_ATTR] = {
             pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
         sub._graphshard_root_state = state
+        sub.__dict__[_STATE_INDEX_ATTR] = state_index
         sub.__class__ = _sharded_class(type(sub), specs)
     if mixed_precision is not None:
         install_casts(module, mixed_precision)

@@ -34,6 +34,7 @@ from graphshard.compiler.cache_key import (
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_facts, run_passes
+from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
 from graphshard.passes import Plan
@@ -245,7 +246,7 @@ class GraphshardBackend:
             partition_fn=partition,
             decompositions=select_decomp_table(),
         )
-        with key, meshes_pickle_without_hash():
+        with key, meshes_pickle_without_hash(), cached_region_schemas():
             compiled = compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
         if not stages.get("fw") and not stages.get("inference"):
             self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
