@@ -10,6 +10,7 @@ import copy
 import re
 import sys
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -270,15 +271,22 @@ class _BreakingStack(nn.Module):
         return x.square().mean()
 
 
-def test_a_graph_break_inside_a_block_splits_it_instead_of_failing(one_rank):
-    """Dynamo refuses a graph break inside a nested_compile_region; graphshard's regions fall
-    back the way a checkpoint body does, and the model trains like one process."""
+def _one_backward_each(make: type[nn.Module]) -> tuple[nn.Module, nn.Module, Any]:
+    """A model run eagerly and a sharded copy of it compiled (op by op), one backward each on
+    the same input: (reference, sharded model, its backend)."""
     torch.manual_seed(0)
-    reference, x = _BreakingStack(), torch.randn(4, 8)
+    reference, x = make(), torch.randn(4, 8)
     model = graphshard.shard(copy.deepcopy(reference))
     reference(x).backward()
     backend = graphshard.backend(inductor=False)
     torch.compile(model, backend=backend)(x).backward()
+    return reference, model, backend
+
+
+def test_a_graph_break_inside_a_block_splits_it_instead_of_failing(one_rank):
+    """Dynamo refuses a graph break inside a nested_compile_region; graphshard's regions fall
+    back the way a checkpoint body does, and the model trains like one process."""
+    reference, model, backend = _one_backward_each(_BreakingStack)
     assert len(backend.graphs) > 1  # the breaks split the step
     for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
@@ -420,12 +428,7 @@ def test_blocks_called_with_keywords_get_them_inside_the_region(one_rank):
     called alike share a region; the middle one, gated differently, gets a body of its own
     (which torch 2.13's Dynamo inlines, being used once) and is computed with its own
     arguments."""
-    torch.manual_seed(0)
-    reference, x = _KeyedStack(), torch.randn(4, 8)
-    model = graphshard.shard(copy.deepcopy(reference))
-    reference(x).backward()
-    backend = graphshard.backend(inductor=False)
-    torch.compile(model, backend=backend)(x).backward()
+    reference, model, backend = _one_backward_each(_KeyedStack)
     (stages,) = backend.graphs
     bodies = Counter(node.args[0].target for node in region_calls(stages["fw"]))
     assert max(bodies.values()) == 2  # (torch 2.11 keeps the middle block's own region too)
