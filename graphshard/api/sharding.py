@@ -378,15 +378,17 @@ def _register_state(root: nn.Module, state: ShardState) -> int:
 _STATE_INDICES = itertools.count()
 
 
-def gathered_param(module: nn.Module, pname: str) -> torch.Tensor:
+def gathered_param(module: nn.Module, pname: str, state: ShardState | None = None
+                   ) -> torch.Tensor:
     """The full parameter ``pname`` of the sharded ``module``, through its ``unshard``
     marker: what reading the attribute means inside a forward, a backward or while Dynamo
-    traces. (Block regions read their parameters through it directly; Dynamo traces this
-    once per parameter, so it is kept short.)"""
+    traces. ``state``: its model's (default: looked up by the module's index, the one
+    source Dynamo should see). Dynamo traces this once per parameter, so it is kept short."""
     attrs = module.__dict__
     entry = attrs["_graphshard_specs"][pname][0]
     spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
-    state = _ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
+    if state is None:
+        state = _ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
     return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
 
 
@@ -402,7 +404,7 @@ def _sharded_class(cls: type, names: Iterable[str]) -> type:
             state = attrs["_graphshard_root_state"]
             if not reads_gather(state):
                 return self._parameters[pname]
-            full = gathered_param(self, pname)
+            full = gathered_param(self, pname, state)
             if state.forward_depth > 0:
                 note_eager_read(state, full, attrs["_graphshard_specs"][pname][0].names[0])
             return full
