@@ -366,6 +366,7 @@ def _fixed_spec(index: int) -> tuple:
 # list's length and recompile whenever another model is sharded.)
 _ROOT_STATES: dict[int, ShardState] = {}
 _STATE_INDEX_ATTR = "_graphshard_state_index"
+_STATE_INDICES = itertools.count()
 
 
 def _register_state(root: nn.Module, state: ShardState) -> int:
@@ -373,9 +374,6 @@ def _register_state(root: nn.Module, state: ShardState) -> int:
     _ROOT_STATES[index] = state
     weakref.finalize(root, _ROOT_STATES.pop, index, None)
     return index
-
-
-_STATE_INDICES = itertools.count()
 
 
 def gathered_param(module: nn.Module, pname: str, state: ShardState | None = None
