@@ -98,6 +98,37 @@ def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     return make_boxed_func(gm.forward)
 
 
+def _fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """The inputs of ``gm`` as Dynamo traced them (its fake tensors, symbolic sizes kept),
+    in place of the real ones: tracing the graph again later then holds no real memory."""
+    fakes = []
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node, real in zip(placeholders, example_inputs, strict=True):
+        fake = node.meta.get("example_value")
+        fakes.append(fake if isinstance(real, torch.Tensor) and fake is not None else real)
+    return fakes
+
+
+class _Untraced:
+    """A Dynamo graph that AOTAutogradCache answered: its stages are traced on demand."""
+
+    def __init__(self, backend: GraphshardBackend, gm: fx.GraphModule, inputs: list[Any],
+                 stages: dict[str, fx.GraphModule], dumper: GraphDumper) -> None:
+        self.backend, self.gm, self.inputs = backend, gm, inputs
+        self.stages, self.dumper = stages, dumper
+
+    def trace(self) -> None:
+        """AOTAutograd and the passes once more, on fake tensors and without Inductor or
+        its cache, the backward traced at once: ``stages`` gets every graph a compile
+        that missed the cache would have kept."""
+        from torch._functorch import config as functorch_config
+
+        finish = functools.partial(_eager, share=None)
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
+                                         finish, cached=False)
+
+
 class GraphshardBackend:
     """A ``torch.compile`` backend; ``torch.compile(model, backend=GraphshardBackend(...))``.
 
@@ -117,10 +148,11 @@ class GraphshardBackend:
         aot_cache: let AOTAutograd's own cache (``AOTAutogradCache``) answer a graph it has
             seen, keyed by the Dynamo graph, the plan and graphshard's source
             (:func:`graphshard.compiler.cache_key.plan_in_cache_key`): a warm restart then
-            skips AOTAutograd's tracing, the partitioner and graphshard's passes. On such a
-            hit no pass runs, so :attr:`graphs` holds no graph for it and the schedule
-            summaries have nothing to read; off by default for that reason. Needs torch 2.13
-            or newer (torch 2.11's cache refuses graphs that call ``DTensor.to_local()``).
+            skips AOTAutograd's tracing, the partitioner and graphshard's passes. The
+            stages of such a graph are traced when :attr:`graphs` is first read (or at
+            once, with dumps or after a graph break). ``"auto"`` (default): on where the
+            installed torch's cache can hold graphshard's graphs (2.13 and newer), off on
+            torch 2.11, whose cache refuses graphs that call ``DTensor.to_local()``.
         **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
             ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
@@ -137,7 +169,7 @@ class GraphshardBackend:
     def __init__(
         self, *, dump_dir: str | None = None, inductor: bool = True,
         share_compiled: bool | str = False, share_timeout_s: float = 900.0,
-        aot_cache: bool = False,
+        aot_cache: bool | str = "auto",
         **plan_options: Any,
     ) -> None:
         unknown = set(plan_options) - {f.name for f in fields(Plan)}
@@ -171,14 +203,15 @@ class GraphshardBackend:
             )
         self.dump_dir = dump_dir
         self.inductor = inductor
-        if not isinstance(aot_cache, bool):
+        if not (isinstance(aot_cache, bool) or aot_cache == "auto"):
             raise GraphshardTypeError(
-                f"graphshard backend option aot_cache must be True or False, got "
+                f"graphshard backend option aot_cache must be True, False or 'auto', got "
                 f"{aot_cache!r} ({type(aot_cache).__name__})"
             )
-        if aot_cache and (why := aot_cache_unsupported()) is not None:
+        why = aot_cache_unsupported() if aot_cache else None
+        if aot_cache is True and why is not None:
             raise GraphshardNotImplementedError(why)
-        self.aot_cache = aot_cache
+        self.aot_cache = bool(aot_cache) and why is None
         self.aot_cache_hits = 0  # Dynamo graphs AOTAutogradCache answered (no pass ran)
         self.share_compiled = share_compiled
         self.share_timeout_s = float(share_timeout_s)
@@ -188,29 +221,65 @@ class GraphshardBackend:
         self._share_resolved = False
         self.plan = Plan(**plan_options)
         # One entry per compiled Dynamo graph: stage name -> the graph after all its passes.
-        self.graphs: list[dict[str, fx.GraphModule]] = []
+        self._graphs: list[dict[str, fx.GraphModule]] = []
+        self._untraced: list[_Untraced] = []  # AOTAutogradCache hits whose stages wait
         self.pass_seconds: dict[str, float] = {}  # wall time per pass, over every graph
+
+    @property
+    def graphs(self) -> list[dict[str, fx.GraphModule]]:
+        """One entry per compiled Dynamo graph: stage name (``dynamo``, ``joint``, ``fw``,
+        ``bw``, ``inference``) -> the graph as the passes left it.
+
+        A graph that AOTAutogradCache answered (``aot_cache``) ran no pass when it compiled;
+        its stages are traced here, on first read, from its Dynamo graph on fake tensors
+        (the same passes, without Inductor), so every entry is complete."""
+        while self._untraced:
+            self._untraced.pop(0).trace()
+        return self._graphs
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         initialised = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if initialised else 0
         refuse_unsharded_parameters(example_inputs, dist.get_world_size() if initialised else 1)
         dumper = GraphDumper(self.dump_dir or dump_dir_from_env(), next(_graph_ids), rank)
-        plan = self.plan
         refuse_gathered_parameter_mutation(gm)  # an update of a gathered copy would be lost
-        check_compile_plan(gm, plan)  # same plan on every rank, before any collective runs
+        check_compile_plan(gm, self.plan)  # same plan on every rank, before any collective runs
         stages: dict[str, fx.GraphModule] = {}
-        self.graphs.append(stages)
+        self._graphs.append(stages)
+        gm = self._run_stage("dynamo", gm, stages, self.plan, dumper)
+        cached = self.inductor and self.aot_cache
+        finish = functools.partial(_inductor if self.inductor else _eager,
+                                   share=self._resolve_share())
+        compiled = self._compile_stages(gm, example_inputs, stages, dumper, finish, cached)
+        if not stages.get("fw") and not stages.get("inference"):
+            self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
+            untraced = _Untraced(self, gm, _fake_inputs(gm, example_inputs), stages, dumper)
+            if dumper.enabled or TRACKER.reads_forward(gm):
+                untraced.trace()  # the dumps, or a graph break's warning, need them now
+            else:
+                self._untraced.append(untraced)
+        TRACKER.graph_compiled(gm, stages, self.plan.profile)
+        return compiled
+
+    def _run_stage(self, stage: str, graph: fx.GraphModule, stages: dict[str, fx.GraphModule],
+                   plan: Plan, dumper: GraphDumper) -> fx.GraphModule:
+        record_group_facts(graph)
+        stages[stage] = run_passes(stage, graph, plan, dumper, self.pass_seconds)
+        if dumper.enabled and stage in ("fw", "bw", "inference"):
+            write_schedule(stages[stage], plan.profile, dumper.dir, stage)
+        return stages[stage]
+
+    def _compile_stages(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                        stages: dict[str, fx.GraphModule], dumper: GraphDumper,
+                        finish: Any, cached: bool) -> Any:
+        """AOTAutograd on the Dynamo graph ``gm``, each of its stages through the passes into
+        ``stages`` and then ``finish`` (Inductor or op by op). ``cached``: AOTAutogradCache
+        may answer instead, in which case no stage runs."""
+        plan = self.plan
+        regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
-            record_group_facts(graph)
-            stages[stage] = run_passes(stage, graph, plan, dumper, self.pass_seconds)
-            if dumper.enabled and stage in ("fw", "bw", "inference"):
-                write_schedule(stages[stage], plan.profile, dumper.dir, stage)
-            return stages[stage]
-
-        gm = run("dynamo", gm)
-        regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
+            return self._run_stage(stage, graph, stages, plan, dumper)
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
             nonlocal plan
@@ -220,9 +289,6 @@ class GraphshardBackend:
             joint = run("joint", joint)
             plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-        finish = functools.partial(_inductor if self.inductor else _eager,
-                                   share=self._resolve_share())
 
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
             return finish(run("fw", fw), inputs)
@@ -238,20 +304,16 @@ class GraphshardBackend:
         compilers: dict[str, Any] = {"fw_compiler": fw_compiler, "bw_compiler": bw_compiler,
                                      "inference_compiler": inference_compiler}
         key = contextlib.nullcontext()
-        if self.inductor and self.aot_cache:
+        if cached:
             compilers = aot_cacheable(compilers)
-            key = plan_in_cache_key(plan)
+            key = plan_in_cache_key(plan, example_inputs)
         compiler = aot_autograd(
             **compilers,
             partition_fn=partition,
             decompositions=select_decomp_table(),
         )
         with key, meshes_pickle_without_hash(), cached_region_schemas():
-            compiled = compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
-        if not stages.get("fw") and not stages.get("inference"):
-            self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
-        TRACKER.graph_compiled(gm, stages, plan.profile)
-        return compiled
+            return compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
 
     def _resolve_share(self) -> CompileShare | None:
         """The store channel for ``share_compiled`` (made once, at the first compile)."""

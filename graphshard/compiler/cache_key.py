@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PER_PROCESS_FIELDS", "aot_cacheable", "meshes_pickle_without_hash",
+__all__ = ["PER_PROCESS_FIELDS", "aot_cacheable", "inner_tensor_layouts",
+           "meshes_pickle_without_hash",
            "plan_in_cache_key", "plan_out_of_fx_key", "source_digest"]
 
 # ``_hash``: per-process hash seed (recomputed lazily by ``__hash__``); ``_rank`` and
@@ -105,10 +106,35 @@ class _GraphshardKey(CustomGraphPass):
         return (self.digest, chained)
 
 
+def inner_tensor_layouts(inputs: Sequence[Any]) -> list[Any]:
+    """Shape, strides, offset, dtype and device of every tensor inside each tensor-subclass
+    input (a DTensor's local shard), in input order; None for any other input.
+
+    AOTAutogradCache keys a subclass input by its outer metadata (a DTensor's global shape
+    and placements), not by the tensors it wraps, yet the compiled code asserts the local
+    shard's size. Ranks of an uneven split hold shards of different sizes for one global
+    shape: without these layouts in the key, one rank's entry answered another's graph and
+    failed its size check at run time."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def layout(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):  # an opaque inner object (a DeviceMesh)
+            return None
+        if not is_traceable_wrapper_subclass(t):
+            return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype),
+                    str(t.device))
+        names, _ = t.__tensor_flatten__()
+        return tuple((name, layout(getattr(t, name))) for name in names)
+
+    return [layout(t) if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t)
+            else None for t in inputs]
+
+
 @contextlib.contextmanager
-def plan_in_cache_key(plan: Any) -> Iterator[None]:
+def plan_in_cache_key(plan: Any, inputs: Sequence[Any] = ()) -> Iterator[None]:
     """Within the block, AOTAutograd's and Inductor's cache keys include ``plan`` (its repr),
-    graphshard's source (:func:`source_digest`) and the default process group's backend:
+    graphshard's source (:func:`source_digest`), the default process group's backend and
+    size, and the local layouts of the subclass ``inputs`` (:func:`inner_tensor_layouts`):
     everything besides the Dynamo graph that decides what graphshard's passes produce.
 
     Why: AOTAutogradCache keys an entry by the Dynamo graph and the compile configuration
@@ -119,7 +145,8 @@ def plan_in_cache_key(plan: Any) -> Iterator[None]:
 
     group = (str(dist.get_backend()), dist.get_world_size()) \
         if dist.is_available() and dist.is_initialized() else None
-    digest = hashlib.sha256(repr((plan, group, source_digest())).encode()).hexdigest()
+    digest = hashlib.sha256(repr((plan, group, source_digest(),
+                                  inner_tensor_layouts(inputs))).encode()).hexdigest()
     current = config.joint_custom_pre_pass
     if isinstance(current, _GraphshardKey):
         current = current.chained

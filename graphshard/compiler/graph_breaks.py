@@ -164,6 +164,12 @@ class GraphBreakTracker:
     def __init__(self) -> None:
         self.pending: _Break | None = None
 
+    def reads_forward(self, gm: fx.GraphModule) -> bool:
+        """Whether :meth:`graph_compiled` needs ``gm``'s forward graph: a break precedes it
+        or ends it."""
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        return self.pending is not None or bool(getattr(reason, "graph_break", False))
+
     def graph_compiled(
         self, gm: fx.GraphModule, stages: dict[str, fx.GraphModule], profile: HardwareProfile
     ) -> BreakCost | None:
