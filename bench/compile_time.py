@@ -19,8 +19,9 @@ Each row gives the first step's seconds and what the caches did: Inductor's FX-g
 (``fxgraph_cache_hit``/``miss``) and AOTAutograd's cache (``autograd_cache_*``, which
 graphshard's backend uses by default on torch 2.13 and newer; the system
 ``graphshard-compiled[aot_cache=False]`` turns it off). ``--json`` writes every row, with the
-seconds of each compile phase torch records (``phases_s``: Dynamo's tracing, AOTAutograd's, Inductor's
-code generation, the C++ compiler, loading cached code) and graphshard's passes (``pass_s``).
+seconds of each compile phase torch records (``phases_s``: Dynamo's tracing, AOTAutograd's,
+Inductor's code generation, the C++ compiler, loading cached code) and graphshard's passes
+(``pass_s``).
 """
 
 from __future__ import annotations
