@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from graphshard.api.offload import CPUOffload
     from graphshard.api.tensor_parallel import TPLayout
 
-__all__ = ["STATE_ATTR", "ShardedParam", "ShardState"]
+__all__ = ["ROOT_STATES", "STATE_ATTR", "ShardedParam", "ShardState"]
 
 STATE_ATTR = "_graphshard_state"  # the attribute of a sharded root that holds its ShardState
 
@@ -78,3 +78,12 @@ class ShardState:
     def group_name(self) -> str:
         """The name the functional collectives use for ``group``."""
         return self.group.group_name
+
+
+# Every sharded root's ShardState by an index (``graphshard.api.sharding`` registers it and
+# drops it once the root is collected). Traced code reaches a model's state only here, never
+# through a module's own attribute: under many names the one state would make Dynamo check at
+# every step, in Python, that they are still one object (an aliasing guard per module). (A
+# dict, not a list: Dynamo guards only the key a step reads, where it would guard a list's
+# length and recompile whenever another model is sharded.)
+ROOT_STATES: dict[int, ShardState] = {}

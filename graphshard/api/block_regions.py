@@ -39,6 +39,8 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.passes.markers import UNSHARD, GradSync
+from graphshard.records import ROOT_STATES
 
 __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
            "install_block_regions", "region_forward", "unchecked_side_effect"]
@@ -110,44 +112,65 @@ unchecked_side_effect = getattr(
     torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
 
 
-# (path from the block, parameter names) of each submodule holding sharded parameters, one
-# entry per distinct layout; a served block holds the index of its layout.
-_Layout = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
-_OWNER_LAYOUTS: list[_Layout] = []
-_LAYOUT_ATTR = "_graphshard_param_layout"
+# What gathering a block's parameters reads, fixed by ``shard()``: its model's index into
+# ``ROOT_STATES`` and, per submodule holding sharded parameters, (path from the block,
+# ((parameter name, its ``unshard`` arguments as a plain tuple), ...)). A served block holds
+# the index of its entry.
+_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple], ...]], ...]]
+_BLOCK_READS: list[_Reads] = []
+_READS_ATTR = "_graphshard_block_reads"
 
 
-def _param_layout(block: nn.Module) -> _Layout:
-    return tuple((tuple(path.split(".")) if path else (), tuple(specs))
+def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict], ...]:
+    return tuple((tuple(path.split(".")) if path else (), specs)
                  for path, sub in block.named_modules()
                  if (specs := sub.__dict__.get("_graphshard_specs")))
 
 
-def _layout_index(layout: _Layout) -> int:
-    if layout not in _OWNER_LAYOUTS:
-        _OWNER_LAYOUTS.append(layout)
-    return _OWNER_LAYOUTS.index(layout)
+def _register_reads(state_index: int, layout: tuple) -> int:
+    reads = (state_index, tuple((path, tuple((name, tuple(spec)) for name, (_, spec)
+                                              in specs.items()))
+                                for path, specs in layout))
+    _BLOCK_READS.append(reads)
+    return len(_BLOCK_READS) - 1
 
 
 @torch.compiler.assume_constant_result
-def _param_owners(layout: int) -> _Layout:
-    """Where a block's sharded parameters sit, fixed by ``shard()``: Dynamo takes it as a
-    constant (one guard, on the index), instead of tracing and guarding a walk over every
-    submodule at every block. (The index, not the block, is the argument: a guard on the
-    block's identity would keep the next block from reusing this one's traced body.)"""
-    return _OWNER_LAYOUTS[layout]
+def _block_reads(index: int) -> _Reads:
+    """A block's entry of ``_BLOCK_READS``: Dynamo takes it as a constant behind one guard
+    (on the index), instead of tracing and guarding a walk over every submodule and, per
+    parameter, its arguments and its bookkeeping (several guards per parameter, built at
+    every compile and evaluated at every step)."""
+    return _BLOCK_READS[index]
+
+
+def _read_shard(owner: nn.Module, name: str, spec: tuple) -> torch.Tensor:
+    """The full parameter through its ``unshard`` marker, with nothing to fold in (the model
+    never used ``no_sync``, gradients synced): what the sharded attribute would return, read
+    without its per-parameter lookups."""
+    shard = owner._parameters[name].to_local()
+    if shard.is_meta:  # the attribute raises the error that says what to do
+        return getattr(owner, name)
+    if not shard.requires_grad:
+        return UNSHARD(shard, *spec)
+    return UNSHARD(shard, *spec, GradSync.FULL)
 
 
 def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.Tensor]]:
-    """Read every parameter of ``block`` through its sharded attribute (an ``unshard`` marker
-    each, in the step graph) and leave the results where the attribute reads inside the
-    region find them."""
+    """Read every parameter of ``block`` (an ``unshard`` marker each, in the step graph) and
+    leave the results where the attribute reads inside the region find them."""
+    state_index, owner_reads = _block_reads(block.__dict__[_READS_ATTR])
+    state = ROOT_STATES[state_index]
+    plain = state.sync == GradSync.FULL and not state.folds_held_back
     owners, gathered, flat = [], [], []
-    for path, names in _param_owners(block.__dict__[_LAYOUT_ATTR]):
+    for path, reads in owner_reads:
         sub = block
         for name in path:
             sub = getattr(sub, name)
-        params = {name: getattr(sub, name) for name in names}
+        if plain:
+            params = {name: _read_shard(sub, name, spec) for name, spec in reads}
+        else:  # no_sync at work: the sharded attribute routes the gradient
+            params = {name: getattr(sub, name) for name, _ in reads}
         owners.append(sub)
         gathered.append(params)
         flat.extend(params.values())
@@ -254,9 +277,10 @@ def _count_depth_eagerly_inside(block: nn.Module) -> None:
                                sub._forward_hooks_always_called)
 
 
-def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
-    """Make each block of ``blocks`` (the main ModuleList/Sequential) run as a compile region
-    under ``torch.compile``; returns the blocks that will."""
+def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn.Module]:
+    """Make each block of ``blocks`` (the main ModuleList/Sequential) of the model whose
+    state is ``ROOT_STATES[state_index]`` run as a compile region under ``torch.compile``;
+    returns the blocks that will."""
     if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
         return []
     _graph_breaks_fall_back()
@@ -266,7 +290,7 @@ def install_block_regions(blocks: nn.Module | None) -> list[nn.Module]:
         layout = _param_layout(block)
         if layout and _servable(block):
             block.__class__ = _region_class(type(block))
-            block.__dict__[_LAYOUT_ATTR] = _layout_index(layout)
+            block.__dict__[_READS_ATTR] = _register_reads(state_index, layout)
             _count_depth_eagerly_inside(block)
             served.append(block)
     return served

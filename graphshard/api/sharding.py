@@ -59,7 +59,7 @@ from graphshard.errors import (
 )
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec, reshard_code
-from graphshard.records import STATE_ATTR, ShardedParam, ShardState
+from graphshard.records import ROOT_STATES, STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
 from graphshard.safety.mutation import end_eager_reads, note_eager_read
 from graphshard.safety.rank_agreement import check_same_forward
@@ -358,21 +358,15 @@ def _fixed_spec(index: int) -> tuple:
     return _SPECS[index]
 
 
-# Every sharded root's ShardState (dropped once the root is collected); a sharded module holds
-# its root's index (``_graphshard_state_index``). Read through each module's own attribute,
-# the one state would reach Dynamo under as many names as there are modules, and Dynamo would
-# check at every step, in Python, that they are still one object (an aliasing guard each).
-# (A dict, not a list: Dynamo guards only the key a step reads, where it would guard a
-# list's length and recompile whenever another model is sharded.)
-_ROOT_STATES: dict[int, ShardState] = {}
+# A sharded module holds its root's index into ``ROOT_STATES`` (``_graphshard_state_index``).
 _STATE_INDEX_ATTR = "_graphshard_state_index"
 _STATE_INDICES = itertools.count()
 
 
 def _register_state(root: nn.Module, state: ShardState) -> int:
     index = next(_STATE_INDICES)
-    _ROOT_STATES[index] = state
-    weakref.finalize(root, _ROOT_STATES.pop, index, None)
+    ROOT_STATES[index] = state
+    weakref.finalize(root, ROOT_STATES.pop, index, None)
     return index
 
 
@@ -386,7 +380,7 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
     entry = attrs["_graphshard_specs"][pname][0]
     spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
     if state is None:
-        state = _ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
+        state = ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
     return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
 
 
@@ -652,7 +646,7 @@ def shard(
         keep_buffers_on_device(module, mesh.device_type)
     _track_forwards(module, state)
     if compile_blocks_once:
-        install_block_regions(_main_block_list(module))
+        install_block_regions(_main_block_list(module), state_index)
     step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
     setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()
