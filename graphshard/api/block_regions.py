@@ -144,21 +144,13 @@ def _block_reads(index: int) -> _Reads:
     return _BLOCK_READS[index]
 
 
-def _read_shard(owner: nn.Module, name: str, spec: tuple) -> torch.Tensor:
-    """The full parameter through its ``unshard`` marker, with nothing to fold in (the model
-    never used ``no_sync``, gradients synced): what the sharded attribute would return, read
-    without its per-parameter lookups."""
-    shard = owner._parameters[name].to_local()
-    if shard.is_meta:  # the attribute raises the error that says what to do
-        return getattr(owner, name)
-    if not shard.requires_grad:
-        return UNSHARD(shard, *spec)
-    return UNSHARD(shard, *spec, GradSync.FULL)
-
-
 def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.Tensor]]:
     """Read every parameter of ``block`` (an ``unshard`` marker each, in the step graph) and
-    leave the results where the attribute reads inside the region find them."""
+    leave the results where the attribute reads inside the region find them. With nothing
+    to fold in (the model never used ``no_sync``, gradients synced), each read is what the
+    sharded attribute would return, without its per-parameter lookups; otherwise it goes
+    through the attribute, which routes the gradient. (One loop, no helper calls: Dynamo
+    traces this for every block.)"""
     state_index, owner_reads = _block_reads(block.__dict__[_READS_ATTR])
     state = ROOT_STATES[state_index]
     plain = state.sync == GradSync.FULL and not state.folds_held_back
@@ -167,13 +159,22 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         sub = block
         for name in path:
             sub = getattr(sub, name)
-        if plain:
-            params = {name: _read_shard(sub, name, spec) for name, spec in reads}
-        else:  # no_sync at work: the sharded attribute routes the gradient
-            params = {name: getattr(sub, name) for name, _ in reads}
+        params = {}
+        for name, spec in reads:
+            if plain:
+                shard = sub._parameters[name].to_local()
+                if shard.is_meta:  # the attribute raises the error that says what to do
+                    full = getattr(sub, name)
+                elif shard.requires_grad:
+                    full = UNSHARD(shard, *spec, GradSync.FULL)
+                else:
+                    full = UNSHARD(shard, *spec)
+            else:
+                full = getattr(sub, name)
+            params[name] = full
+            flat.append(full)
         owners.append(sub)
         gathered.append(params)
-        flat.extend(params.values())
     unchecked_side_effect(_set_region_params, owners, gathered)
     return owners, flat
 
