@@ -232,7 +232,9 @@ class GraphshardBackend:
 
         A graph that AOTAutogradCache answered (``aot_cache``) ran no pass when it compiled;
         its stages are traced here, on first read, from its Dynamo graph on fake tensors
-        (the same passes, without Inductor), so every entry is complete."""
+        (the same passes, without Inductor), so every entry is complete. Read it while the
+        process groups that compiled them exist: the passes ask a group for its backend
+        (which picks the reduce-scatter's algorithm) and, without it, take the default."""
         while self._untraced:
             self._untraced.pop(0).trace()
         return self._graphs
