@@ -100,3 +100,17 @@ def test_updating_the_sharded_parameter_outside_forward_is_fine():
             model.a.weight.clamp_(-0.05, 0.05)  # the sharded DTensor itself
         _compile_step(model)
         model(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_deep_copy_of_a_sharded_model_says_how_to_get_one():
+    import copy
+
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        for target in (model, model.blocks[0], model.head):
+            with pytest.raises(ShardedModelError, match="Copy the model before sharding it"):
+                copy.deepcopy(target)
+        plain = TwoBlock()
+        twin = copy.deepcopy(plain)  # an unsharded model copies as before
+        graphshard.shard(twin)
+        assert type(plain).__name__ == "TwoBlock"

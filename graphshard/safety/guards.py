@@ -20,13 +20,15 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
   any world size once DCP has resharded them); a plain tensor for a parameter raises, naming
   ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` (DTensor's own error
   would not say what to call).
+- **``copy.deepcopy``** of a sharded model or module raises, saying to copy before
+  ``shard()`` or to load the weights into a second sharded model (as FSDP2 refuses it; the
+  bare error was "cannot pickle ProcessGroup").
 - The plan fingerprint and the parameters' values are compared across ranks
   (:mod:`graphshard.safety.fingerprint`).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -57,7 +59,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
             continue
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
-    module.register_load_state_dict_pre_hook(functools.partial(_refuse_plain_tensors, state))
+    module.register_load_state_dict_pre_hook(_PlainTensorRefusal(state, type(module).__name__))
     _STATES.append(weakref.ref(state))
     check_shard_plan(state)
     check_shard_values(state, originals)
@@ -122,7 +124,22 @@ def _guard_class(cls: type) -> None:
     cls.__delattr__ = __delattr__
     cls.register_parameter = register_parameter
     cls._apply = _apply
+    cls.__deepcopy__ = _refuse_deepcopy
     cls._graphshard_guarded = True
+
+
+def _refuse_deepcopy(module: nn.Module, memo: dict | None = None, name: str = "") -> None:
+    """``copy.deepcopy`` of a sharded module, or of the model (through its root's hook): the
+    parameters are shards of a process group and graphshard's state for the model is bound
+    to them, so a copy could not be both independent and sharded the same way."""
+    raise ShardedModelError(
+        f"copy.deepcopy of a sharded model or module ({name or type(module).__name__}) is not "
+        "supported: its parameters are shards bound to a process group and to graphshard's "
+        "state for the model. Copy the model before sharding it (twin = "
+        "copy.deepcopy(model), then graphshard.shard() each), or shard a freshly built model "
+        "and load this one's weights into it (an EMA model, say): set_model_state_dict(twin, "
+        "get_model_state_dict(model)) from torch.distributed.checkpoint.state_dict."
+    )
 
 
 def _same_layout(old: nn.Parameter, new: Any) -> bool:
@@ -151,6 +168,22 @@ def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: n
 
 
 # --------------------------------------------------------------------------- load_state_dict
+
+
+class _PlainTensorRefusal:
+    """The root's ``load_state_dict`` pre-hook (:func:`_refuse_plain_tensors` on its model's
+    state). It is the first thing holding that state which ``copy.deepcopy`` of the root
+    reaches, so it refuses the copy with the message that says what to do instead."""
+
+    def __init__(self, state: Any, root_class: str) -> None:
+        self.state = state
+        self.root_class = root_class
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        _refuse_plain_tensors(self.state, module, state_dict, prefix)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        _refuse_deepcopy(self, memo, self.root_class)
 
 
 def _refuse_plain_tensors(state: Any, module, state_dict, prefix, *args: Any) -> None:
