@@ -67,3 +67,25 @@ def test_the_depth_table_measures_each_system_cold_then_warm(monkeypatch, capsys
     assert len(rows) == 8
     out = capsys.readouterr().out
     assert "| a | 8 | 20.0 (fx 0h/2m, aot 0h/0m) | 2.0 (fx 2h/0m, aot 0h/0m) |" in out
+
+
+def test_the_gloo_table_sums_each_ranks_cpu_and_compares_with_one_rank(monkeypatch, capsys):
+    calls: list[tuple[str, bool, int]] = []
+
+    def measure_gloo(system, layers, cache_dir, *, ranks, per_rank_cache, **kwargs):
+        calls.append((system, per_rank_cache, ranks))
+        cpu = [40.0, 40.0] if system == "alone" else [30.0, 20.0]
+        return {"system": system, "layers": layers, "first_step_s": 41.0,
+                "cache": "per rank" if per_rank_cache else "shared", "cpu_s_sum": sum(cpu),
+                "ranks": [{"first_step_cpu_s": c} for c in cpu]}
+
+    monkeypatch.setattr(compile_time, "measure_gloo", measure_gloo)
+    rows = compile_time.main(["--gloo-ranks", "2", "--layers", "16", "--gloo-cache",
+                              "per-rank", "shared", "--systems", "alone", "shared"])
+    assert calls == [("alone", True, 2), ("alone", False, 2), ("shared", True, 2),
+                     ("shared", False, 2)]
+    assert len(rows) == 4
+    out = capsys.readouterr().out
+    # one rank alone: 40 s; two sharing: 30 + 20 = 50 s, 1.25x
+    assert "| shared | shared | 16 | 41.0 | 30.0 / 20.0 | 50.0 | 1.25 |" in out
+    assert "| alone | per rank | 16 | 41.0 | 40.0 / 40.0 | 80.0 | 2.00 |" in out

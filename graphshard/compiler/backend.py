@@ -139,10 +139,9 @@ class GraphshardBackend:
             as they are, op by op, which is slower but shows exactly what the passes built.
         share_compiled: compile each distinct graph on one rank only and let the ranks
             with the same graph load its artifacts through the process group's store
-            (:mod:`graphshard.compiler.share`). ``"auto"`` or ``True``: on with Inductor,
-            more than one rank and a real backend (gloo, NCCL); ``False`` (default, until
-            a fresh-cache world-2 run that crashed with it on is understood): every rank
-            compiles for itself.
+            (:mod:`graphshard.compiler.share`). ``"auto"`` (default) or ``True``: on with
+            Inductor, more than one rank and a real backend (gloo, NCCL); ``False``: every
+            rank compiles for itself.
         share_timeout_s: how long a rank waits for another rank's artifacts before it
             compiles the graph itself (default 900 s).
         aot_cache: let AOTAutograd's own cache (``AOTAutogradCache``) answer a graph it has
@@ -168,7 +167,7 @@ class GraphshardBackend:
 
     def __init__(
         self, *, dump_dir: str | None = None, inductor: bool = True,
-        share_compiled: bool | str = False, share_timeout_s: float = 900.0,
+        share_compiled: bool | str = "auto", share_timeout_s: float = 900.0,
         aot_cache: bool | str = "auto",
         **plan_options: Any,
     ) -> None:
