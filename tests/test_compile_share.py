@@ -5,7 +5,9 @@ find is partial or corrupted, in which case they compile themselves.
 The protocol is tested in one process on a ``HashStore`` (two ``CompileShare`` objects play
 two ranks); one launch of two real gloo ranks, each with its own empty Inductor cache, checks
 that rank 1 compiles nothing for a graph rank 0 published, compiles everything itself when
-the published artifacts are corrupted, and computes the same numbers either way.
+the published artifacts are corrupted, and computes the same numbers either way; then, on
+one directory for both, that the rank which waited for the whole graph is answered by
+AOTAutograd's cache and runs no pass.
 """
 
 from __future__ import annotations
@@ -113,6 +115,29 @@ def test_ranks_that_share_a_cache_directory_load_nothing(fake_cache, monkeypatch
     assert fake_cache == [b"compiled!"] and third.stats.same_cache_dir == 0
 
 
+def test_by_default_only_ranks_of_one_cache_directory_meet_and_nothing_travels(
+        fake_cache, monkeypatch):
+    """``share_compiled="auto"`` (``transfer=False``): the ranks of one directory wait for its
+    first rank and hit what it wrote; a rank of another directory neither waits for them
+    nor loads anything (it compiles, first in its own directory), and nothing is published
+    through the store."""
+    store = dist.HashStore()
+    saved: list[int] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
+                        lambda: saved.append(1) or (b"compiled!", None))
+    ranks = [CompileShare(store, r, 5.0, transfer=False) for r in range(3)]
+    where = {0: "boot:1:2:/cache", 1: "boot:1:2:/cache", 2: "boot:9:9:/elsewhere"}
+    results = []
+    for r, share in enumerate(ranks):
+        monkeypatch.setattr(share_mod, "cache_dir_identity", lambda r=r: where[r])
+        results.append(share.compile(_Graph(), [], lambda r=r: f"rank{r}"))
+    assert results == ["rank0", "rank1", "rank2"]
+    assert [(s.stats.published, s.stats.loaded, s.stats.same_cache_dir) for s in ranks] == \
+        [(1, 0, 0), (0, 1, 1), (1, 0, 0)]
+    assert fake_cache == [] and saved == []  # nothing serialised, nothing loaded
+    assert not any(s.stats.compiled_alone for s in ranks)
+
+
 def test_a_shared_cache_directory_is_recognised(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
     here = share_mod.cache_dir_identity()  # Inductor's cache_dir() makes the directory
@@ -172,11 +197,14 @@ def _two_models(seed: int, dims: tuple[int, int, int]) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU(), torch.nn.Linear(b, c))
 
 
-def _run(model: torch.nn.Module, x: torch.Tensor, compiled: bool):
+def _run(model: torch.nn.Module, x: torch.Tensor, compiled: bool,
+         share_compiled: bool | str = True):
     import graphshard
 
     graphshard.shard(model)
-    backend = graphshard.backend()  # sharing is on by default with Inductor on gloo
+    # True: artifacts travel between cache directories; "auto" (the default): ranks of one
+    # directory meet there
+    backend = graphshard.backend(share_compiled=share_compiled)
     run = torch.compile(model, backend=backend) if compiled else model
     loss = run(x).square().mean()
     loss.backward()
@@ -215,6 +243,26 @@ def _shared_compile_job(rank: int, world_size: int) -> dict:
             "reasons": list(stats.reasons),
         }
         share_mod.encode = encode
+    # Both ranks on one new directory (the ranks of one host): the first to reach the Dynamo
+    # graph compiles it, backward included; the other waits, then AOTAutograd's cache
+    # answers it (no tracing, no pass, no Inductor)
+    shared = [tempfile.mkdtemp(prefix="share_host_") if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared[0]
+    from torch._dynamo.utils import counters
+
+    aot_hits = counters["aot_autograd"]["autograd_cache_hit"]
+    loss, grads, backend = _run(_two_models(0, (16, 56, 4)), x, compiled=True,
+                                share_compiled="auto")
+    ref_loss, ref_grads, _ = _run(_two_models(0, (16, 56, 4)), x, compiled=False)
+    stats = backend.share.stats
+    result["same_dir"] = {
+        "whole": (stats.whole_graphs_compiled, stats.whole_graphs_waited),
+        "aot_hits": counters["aot_autograd"]["autograd_cache_hit"] - aot_hits,
+        # a Dynamo graph AOTAutogradCache answered: its forward and backward ran no pass
+        "backend_aot_hits": backend.aot_cache_hits,
+        "loss": loss, "grads": grads, "ref_loss": ref_loss, "ref_grads": ref_grads,
+    }
     return result
 
 
@@ -223,7 +271,7 @@ def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
 
     rank0, rank1 = run_ranks(_shared_compile_job, 2)
     print({f"rank{r}": {case: (v["delta"], round(v["compile_file_s"], 2), v["reasons"])
-                         for case, v in result.items()}
+                         for case, v in result.items() if "delta" in v}
            for r, result in enumerate((rank0, rank1))})
     # each graph (forward, backward) compiled once in the job: by whichever rank reached it
     # first (rank 0 or 1, each may take one), the other rank loaded it and compiled nothing
@@ -241,12 +289,17 @@ def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
     assert all(r["delta"]["fxgraph_cache_miss"] == 2 for r in bad)
     reasons = [reason for r in bad for reason in r["reasons"]]
     assert len(reasons) == 2 and all("corrupted" in reason for reason in reasons)
+    # one directory: one rank compiled the whole graph, the other was answered by
+    # AOTAutograd's cache and ran no pass on its forward and backward
+    same = sorted((rank0["same_dir"], rank1["same_dir"]), key=lambda r: r["whole"])
+    assert [r["whole"] for r in same] == [(0, 1), (1, 0)]
+    assert [(r["aot_hits"], r["backend_aot_hits"]) for r in same] == [(1, 1), (0, 0)]
     for r in (rank0, rank1):
         for case in r.values():  # numerics identical, shared or not, to the eager model's
             torch.testing.assert_close(case["loss"], case["ref_loss"])
             for got, want in zip(case["grads"], case["ref_grads"], strict=True):
                 torch.testing.assert_close(got, want)
-    for case in ("good", "corrupt"):  # and bit for bit across the ranks
+    for case in ("good", "corrupt", "same_dir"):  # and bit for bit across the ranks
         assert torch.equal(rank0[case]["loss"], rank1[case]["loss"])
         for a, b in zip(rank0[case]["grads"], rank1[case]["grads"], strict=True):
             assert torch.equal(a, b)

@@ -27,6 +27,7 @@ from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (register
 from graphshard.compiler.cache_key import (
     aot_cache_unsupported,
     aot_cacheable,
+    inner_tensor_layouts,
     meshes_pickle_without_hash,
     plan_in_cache_key,
     plan_out_of_fx_key,
@@ -127,6 +128,21 @@ class _Untraced:
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
                                          finish, cached=False)
+
+
+def _with_backward_now(compile_graph: Any) -> Any:
+    """``compile_graph`` with the backward compiled along with the forward, not at the first
+    backward: its AOTAutogradCache entry is complete when it returns, so a rank that waited
+    for it (``share_compiled``) is answered by it. (The publisher cannot wait for its forward
+    to run: that needs the waiting ranks in its collectives. The waiting ranks ask the same
+    way: the setting is part of AOTAutogradCache's key.)"""
+    def compile_both() -> Any:
+        from torch._functorch import config as functorch_config
+
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return compile_graph()
+
+    return compile_both
 
 
 class GraphshardBackend:
@@ -249,9 +265,18 @@ class GraphshardBackend:
         self._graphs.append(stages)
         gm = self._run_stage("dynamo", gm, stages, self.plan, dumper)
         cached = self.inductor and self.aot_cache
-        finish = functools.partial(_inductor if self.inductor else _eager,
-                                   share=self._resolve_share())
-        compiled = self._compile_stages(gm, example_inputs, stages, dumper, finish, cached)
+        share = self._resolve_share()
+        finish = functools.partial(_inductor if self.inductor else _eager, share=share)
+
+        def compile_graph() -> Any:
+            return self._compile_stages(gm, example_inputs, stages, dumper, finish, cached)
+
+        if cached and share is not None:  # one rank compiles; the others hit its entry
+            compiled = share.compile_whole_graph(
+                gm, example_inputs, _with_backward_now(compile_graph), plan=repr(self.plan),
+                shards=repr(inner_tensor_layouts(example_inputs)))
+        else:
+            compiled = compile_graph()
         if not stages.get("fw") and not stages.get("inference"):
             self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
             untraced = _Untraced(self, gm, _fake_inputs(gm, example_inputs), stages, dumper)
@@ -321,7 +346,8 @@ class GraphshardBackend:
         if not self._share_resolved:
             self._share_resolved = True
             if self.inductor and self.share_compiled:
-                self.share = share_from_default_group(self.share_timeout_s)
+                self.share = share_from_default_group(
+                    self.share_timeout_s, transfer=self.share_compiled is True)
         return self.share
 
 

@@ -26,6 +26,16 @@ Protocol, per graph handed to Inductor (the forward and backward of every Dynamo
    loaded only populates Inductor's cache under Inductor's own keys, so a graph that differs
    in anything the digest missed simply misses that cache and compiles.
 
+With AOTAutograd's cache on (``backend(aot_cache=...)``, the default on torch 2.13 and
+newer), ranks on one cache directory first meet on the whole Dynamo graph
+(:meth:`CompileShare.compile_whole_graph`, keyed by its code, its inputs, their local shards
+and the plan), with the backward compiled along with the forward: the first rank's
+AOTAutogradCache entry then exists when it commits, and a rank that waited for the commit is
+answered by that entry, skipping AOTAutograd's tracing, the partitioner and graphshard's
+passes as well as Inductor. Nothing travels through the store at that level: a rank whose
+cache directory differs from the first rank's does not wait there and meets the others per
+Inductor graph, as above. (Without AOTAutograd's cache, all ranks meet per Inductor graph.)
+
 Ranks that share one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``: the ranks of one
 host by default) load nothing: the publisher's compile already wrote its entries into that
 very directory, so the waiting rank only waits for the commit and then compiles, which hits
@@ -135,6 +145,8 @@ class ShareStats:
     loaded: int = 0  # graphs whose artifacts this rank loaded from another rank
     compiled_alone: int = 0  # graphs this rank compiled because nothing usable came
     same_cache_dir: int = 0  # of ``loaded``: found in the cache directory shared with the publisher
+    whole_graphs_compiled: int = 0  # Dynamo graphs this rank compiled first for its directory
+    whole_graphs_waited: int = 0  # Dynamo graphs it waited for (then AOTAutogradCache hits)
     reasons: list[str] = field(default_factory=list)  # why, for each compiled_alone
 
 
@@ -151,11 +163,12 @@ class CompileShare:
     """
 
     def __init__(self, store: dist.Store, rank: int, timeout_s: float = 900.0,
-                 namespace: str = "graphshard/compile") -> None:
+                 namespace: str = "graphshard/compile", transfer: bool = True) -> None:
         self.store = store
         self.rank = rank
         self.timeout_s = timeout_s
         self.namespace = namespace
+        self.transfer = transfer
         self.stats = ShareStats()
 
     def _key(self, digest: str, what: str) -> str:
@@ -166,6 +179,17 @@ class CompileShare:
         """``compile_fn()`` (Inductor on ``gm``), compiled once among the ranks that ask for
         the same graph; the others load what the first published, then call it (a hit)."""
         digest = graph_digest(gm, example_inputs, **flags)
+        if not self.transfer:  # only ranks of one cache directory meet; nothing travels
+            first = self._first_in_directory(digest, "graph", compile_fn)
+            if first is None:
+                return compile_fn()
+            compiled, role = first
+            if role == "first":
+                self.stats.published += 1
+            elif role == "waited":
+                self.stats.loaded += 1
+                self.stats.same_cache_dir += 1
+            return compiled
         if self.store.add(self._key(digest, "claim"), 1) == 1:
             return self._publish(digest, compile_fn)
         reason = self._load(digest)
@@ -177,6 +201,61 @@ class CompileShare:
             log.warning("graphshard rank %d compiles graph %s itself: %s", self.rank, digest,
                         reason)
         return compile_fn()
+
+    def compile_whole_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                            compile_fn: Callable[[], Any], **flags: Any) -> Any:
+        """``compile_fn()`` for a whole Dynamo graph (AOTAutograd, the passes, Inductor),
+        run first by one rank of each cache directory; the others of that directory wait
+        until it is done, then run it too and are answered by AOTAutograd's cache. Ranks of
+        another directory do not wait (they meet per Inductor graph in :meth:`compile`).
+        ``compile_fn`` must leave a complete AOTAutogradCache entry (backward included)."""
+        first = self._first_in_directory(graph_digest(gm, example_inputs, **flags), "whole",
+                                         compile_fn)
+        if first is None:
+            return compile_fn()
+        compiled, role = first
+        if role == "first":
+            self.stats.whole_graphs_compiled += 1
+        elif role == "waited":
+            self.stats.whole_graphs_waited += 1
+        return compiled
+
+    def _first_in_directory(self, digest: str, level: str, compile_fn: Callable[[], Any]
+                            ) -> tuple[Any, str] | None:
+        """``compile_fn()``, run first by one rank of this cache directory while the others
+        of the directory wait for it to finish and then run it (a hit there): the result and
+        this rank's role, ``"first"``, ``"waited"`` or ``"alone"`` (the wait timed out).
+        None where the directory cannot be told."""
+        here = cache_dir_identity()
+        if here is None:
+            return None
+        place = hashlib.sha256(here.encode()).hexdigest()[:16]
+        claim = self._key(digest, f"{level}/{place}/claim")
+        done = self._key(digest, f"{level}/{place}/done")
+        if self.store.add(claim, 1) == 1:
+            try:
+                compiled = compile_fn()
+            finally:  # a failure, too, releases the others (each then compiles for itself)
+                self.store.set(done, b"1")
+            return compiled, "first"
+        reason = self._wait([done])
+        if reason is not None:
+            self.stats.compiled_alone += 1
+            self.stats.reasons.append(reason)
+            log.warning("graphshard rank %d compiles graph %s itself: %s", self.rank, digest,
+                        reason)
+        return compile_fn(), "waited" if reason is None else "alone"
+
+    def _wait(self, keys: list[str]) -> str | None:
+        """Wait until one of ``keys`` is in the store: None, or why the wait ended without."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.01
+        while not any(self.store.check([key]) for key in keys):
+            if time.monotonic() >= deadline:
+                return f"no artifacts after {self.timeout_s:.0f} s"
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        return None
 
     def _publish(self, digest: str, compile_fn: Callable[[], Any]) -> Any:
         try:
@@ -199,17 +278,11 @@ class CompileShare:
     def _load(self, digest: str) -> str | None:
         """Load the artifacts published for ``digest``; None on success, else why not."""
         ready, failed = self._key(digest, "ready"), self._key(digest, "failed")
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.01
-        while True:
-            if self.store.check([failed]):
-                return "its publisher failed"
-            if self.store.check([ready]):
-                break
-            if time.monotonic() >= deadline:
-                return f"no artifacts after {self.timeout_s:.0f} s"
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+        timed_out = self._wait([ready, failed])
+        if timed_out is not None:
+            return timed_out
+        if self.store.check([failed]):
+            return "its publisher failed"
         origin = self._key(digest, "origin")
         here = cache_dir_identity()
         if here is not None and self.store.check([origin]) \
@@ -233,10 +306,11 @@ class CompileShare:
         return None
 
 
-def share_from_default_group(timeout_s: float) -> CompileShare | None:
+def share_from_default_group(timeout_s: float, transfer: bool = True) -> CompileShare | None:
     """A :class:`CompileShare` on the default process group's store, or None where sharing
     cannot help: no process group, one rank, or a backend without a shared store (the fake
-    process groups)."""
+    process groups). ``transfer``: artifacts also travel to ranks of other cache directories
+    (``share_compiled=True``); else only ranks of one directory meet."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     backend = str(dist.get_backend()).lower()
@@ -251,4 +325,4 @@ def share_from_default_group(timeout_s: float) -> CompileShare | None:
     launch = "/".join(os.environ.get(name, "-") for name in
                       ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))
     return CompileShare(_get_default_store(), dist.get_rank(), timeout_s,
-                        namespace=f"graphshard/compile/{launch}")
+                        namespace=f"graphshard/compile/{launch}", transfer=transfer)
