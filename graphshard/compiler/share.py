@@ -26,16 +26,6 @@ Protocol, per graph handed to Inductor (the forward and backward of every Dynamo
    loaded only populates Inductor's cache under Inductor's own keys, so a graph that differs
    in anything the digest missed simply misses that cache and compiles.
 
-With AOTAutograd's cache on (``backend(aot_cache=...)``, the default on torch 2.13 and
-newer), ranks on one cache directory first meet on the whole Dynamo graph
-(:meth:`CompileShare.compile_whole_graph`, keyed by its code, its inputs, their local shards
-and the plan), with the backward compiled along with the forward: the first rank's
-AOTAutogradCache entry then exists when it commits, and a rank that waited for the commit is
-answered by that entry, skipping AOTAutograd's tracing, the partitioner and graphshard's
-passes as well as Inductor. Nothing travels through the store at that level: a rank whose
-cache directory differs from the first rank's does not wait there and meets the others per
-Inductor graph, as above. (Without AOTAutograd's cache, all ranks meet per Inductor graph.)
-
 Ranks that share one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``: the ranks of one
 host by default) load nothing: the publisher's compile already wrote its entries into that
 very directory, so the waiting rank only waits for the commit and then compiles, which hits
@@ -53,9 +43,22 @@ generation but still runs the C++ compiler on the loaded code (measured: 0 FX-gr
 C++ compiles as before). Ranks of one host normally share one cache directory
 (``TORCHINDUCTOR_CACHE_DIR``, by default per user under ``/tmp``) and find those there too.
 
-Enabled by the backend option ``share_compiled`` (default ``"auto"``: on when the default
-process group has more than one rank on a real backend, gloo or NCCL; a fake process group
-has no shared store).
+All of the above is ``share_compiled=True``. The default, ``"auto"``
+(``transfer=False`` here), keeps ranks within one cache directory: claims are scoped by the
+directory's identity, the first rank of a directory compiles while the others of that
+directory wait and then hit its entries there, and no artifact is serialised or sent.
+With AOTAutograd's cache on (``backend(aot_cache=...)``, the default on torch 2.13 and
+newer), the ranks of one directory meet first on the whole Dynamo graph
+(:meth:`CompileShare.compile_whole_graph`, keyed by its code, its inputs, their local shards
+and the plan), with the backward compiled along with the forward: the first rank's
+AOTAutogradCache entry then exists when it is done, and the ranks that waited for it are
+answered by that entry, skipping AOTAutograd's tracing, the partitioner and graphshard's
+passes as well as Inductor.
+
+Enabled by the backend option ``share_compiled`` (default ``"auto"``: on, within cache
+directories, when the default process group has more than one rank on a real backend, gloo
+or NCCL; a fake process group has no shared store; ``True`` adds the transfer across
+directories).
 """
 
 from __future__ import annotations
