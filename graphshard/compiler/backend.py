@@ -153,10 +153,13 @@ class GraphshardBackend:
             ``GRAPHSHARD_DUMP_DIR`` environment variable; None writes nothing).
         inductor: compile the transformed graphs with Inductor (default); False runs them
             as they are, op by op, which is slower but shows exactly what the passes built.
-        share_compiled: compile each distinct graph on one rank only and let the ranks
-            with the same graph load its artifacts through the process group's store
-            (:mod:`graphshard.compiler.share`). ``"auto"`` (default) or ``True``: on with
-            Inductor, more than one rank and a real backend (gloo, NCCL); ``False``: every
+        share_compiled: compile each distinct graph on one rank only, meeting through the
+            process group's store (:mod:`graphshard.compiler.share`). ``"auto"`` (default):
+            with Inductor, more than one rank and a real backend (gloo, NCCL), the ranks of
+            one Inductor cache directory (one host, by default) wait for the first of them
+            to compile a graph and then hit its cache entries (AOTAutograd's, with
+            ``aot_cache``); nothing is sent. ``True``: also across directories, Inductor's
+            artifacts travel through the store to ranks that load them. ``False``: every
             rank compiles for itself.
         share_timeout_s: how long a rank waits for another rank's artifacts before it
             compiles the graph itself (default 900 s).
