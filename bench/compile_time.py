@@ -242,10 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                            per_rank_cache=where == "per-rank")
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-        print(gloo_table(rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return rows
+        return _report(rows, gloo_table(rows), args.json)
     for layers in args.layers:
         for system in args.systems:
             with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
@@ -258,9 +255,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     if label in args.caches:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return _report(rows, table(rows), args.json)
+
+
+def _report(rows: list[dict], text: str, json_path: str | None) -> list[dict]:
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
 
 

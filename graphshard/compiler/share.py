@@ -183,26 +183,11 @@ class CompileShare:
         the same graph; the others load what the first published, then call it (a hit)."""
         digest = graph_digest(gm, example_inputs, **flags)
         if not self.transfer:  # only ranks of one cache directory meet; nothing travels
-            first = self._first_in_directory(digest, "graph", compile_fn)
-            if first is None:
-                return compile_fn()
-            compiled, role = first
-            if role == "first":
-                self.stats.published += 1
-            elif role == "waited":
-                self.stats.loaded += 1
-                self.stats.same_cache_dir += 1
-            return compiled
+            return self._first_in_directory(digest, "graph", compile_fn, first=("published",),
+                                            waited=("loaded", "same_cache_dir"))
         if self.store.add(self._key(digest, "claim"), 1) == 1:
             return self._publish(digest, compile_fn)
-        reason = self._load(digest)
-        if reason is None:
-            self.stats.loaded += 1
-        else:
-            self.stats.compiled_alone += 1
-            self.stats.reasons.append(reason)
-            log.warning("graphshard rank %d compiles graph %s itself: %s", self.rank, digest,
-                        reason)
+        self._after_waiting(digest, self._load(digest), ("loaded",))
         return compile_fn()
 
     def compile_whole_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -212,26 +197,19 @@ class CompileShare:
         until it is done, then run it too and are answered by AOTAutograd's cache. Ranks of
         another directory do not wait (they meet per Inductor graph in :meth:`compile`).
         ``compile_fn`` must leave a complete AOTAutogradCache entry (backward included)."""
-        first = self._first_in_directory(graph_digest(gm, example_inputs, **flags), "whole",
-                                         compile_fn)
-        if first is None:
-            return compile_fn()
-        compiled, role = first
-        if role == "first":
-            self.stats.whole_graphs_compiled += 1
-        elif role == "waited":
-            self.stats.whole_graphs_waited += 1
-        return compiled
+        return self._first_in_directory(graph_digest(gm, example_inputs, **flags), "whole",
+                                        compile_fn, first=("whole_graphs_compiled",),
+                                        waited=("whole_graphs_waited",))
 
-    def _first_in_directory(self, digest: str, level: str, compile_fn: Callable[[], Any]
-                            ) -> tuple[Any, str] | None:
+    def _first_in_directory(self, digest: str, level: str, compile_fn: Callable[[], Any], *,
+                            first: tuple[str, ...], waited: tuple[str, ...]) -> Any:
         """``compile_fn()``, run first by one rank of this cache directory while the others
-        of the directory wait for it to finish and then run it (a hit there): the result and
-        this rank's role, ``"first"``, ``"waited"`` or ``"alone"`` (the wait timed out).
-        None where the directory cannot be told."""
+        of the directory wait for it to finish and then run it (a hit there). The stats
+        named in ``first`` or ``waited`` count this rank's part. Where the directory cannot
+        be told, every rank compiles at once."""
         here = cache_dir_identity()
         if here is None:
-            return None
+            return compile_fn()
         place = hashlib.sha256(here.encode()).hexdigest()[:16]
         claim = self._key(digest, f"{level}/{place}/claim")
         done = self._key(digest, f"{level}/{place}/done")
@@ -240,14 +218,24 @@ class CompileShare:
                 compiled = compile_fn()
             finally:  # a failure, too, releases the others (each then compiles for itself)
                 self.store.set(done, b"1")
-            return compiled, "first"
-        reason = self._wait([done])
-        if reason is not None:
-            self.stats.compiled_alone += 1
-            self.stats.reasons.append(reason)
-            log.warning("graphshard rank %d compiles graph %s itself: %s", self.rank, digest,
-                        reason)
-        return compile_fn(), "waited" if reason is None else "alone"
+            self._count(first)
+            return compiled
+        self._after_waiting(digest, self._wait([done]), waited)
+        return compile_fn()
+
+    def _after_waiting(self, digest: str, reason: str | None, waited: tuple[str, ...]) -> None:
+        """Count a wait that ended well (``reason`` None) in the stats named ``waited``; else
+        count, keep and log why this rank compiles the graph itself."""
+        if reason is None:
+            self._count(waited)
+            return
+        self.stats.compiled_alone += 1
+        self.stats.reasons.append(reason)
+        log.warning("graphshard rank %d compiles graph %s itself: %s", self.rank, digest, reason)
+
+    def _count(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
 
     def _wait(self, keys: list[str]) -> str | None:
         """Wait until one of ``keys`` is in the store: None, or why the wait ended without."""
