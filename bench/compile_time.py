@@ -171,14 +171,15 @@ def gloo_table(rows: list[dict]) -> str:
     """A markdown table of :func:`measure_gloo` rows: each rank's CPU seconds, their sum, and
     the sum over the mean of a rank of the first row of the same depth (the ranks that
     compile everything themselves, when that row is the system without sharing)."""
-    lines = ["| system | cache directory | layers | first fwd+bw s | CPU s per rank | "
+    lines = ["| system | cache directory | start | layers | first fwd+bw s | CPU s per rank | "
              "CPU s summed | summed / one rank of the first row |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         first = next(r for r in rows if r["layers"] == row["layers"])
         one = sum(r["first_step_cpu_s"] for r in first["ranks"]) / len(first["ranks"])
         cpu = " / ".join(f"{r['first_step_cpu_s']:.1f}" for r in row["ranks"])
-        lines.append(f"| {row['system']} | {row['cache']} | {row['layers']} "
+        lines.append(f"| {row['system']} | {row['cache']} | {row.get('start', 'cold')} "
+                     f"| {row['layers']} "
                      f"| {row['first_step_s']:.1f} | {cpu} "
                      f"| {row['cpu_s_sum']:.1f} | {row['cpu_s_sum'] / one:.2f} |")
     return "\n".join(lines)
@@ -220,8 +221,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-ranks", type=int, default=0, metavar="N",
-                        help="instead: N real gloo ranks, cold, each rank's CPU seconds "
-                             "and their sum")
+                        help="instead: N real gloo ranks (cold, and warm: a second launch "
+                             "on the same directories, with --caches), each rank's CPU "
+                             "seconds and their sum")
     parser.add_argument("--gloo-cache", nargs="+", choices=["per-rank", "shared"],
                         default=["shared"], help="with --gloo-ranks: one cache directory for "
                         "all ranks (one host) and/or one per rank (ranks on different hosts)")
@@ -237,11 +239,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for system in args.systems:
                 for where in args.gloo_cache:
                     with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
-                        row = measure_gloo(system, layers, cache, ranks=args.gloo_ranks,
-                                           dim=args.dim, batch=args.batch, seq=args.seq,
-                                           per_rank_cache=where == "per-rank")
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                        for label in ("cold", "warm"):
+                            if label == "warm" and "warm" not in args.caches:
+                                break
+                            row = measure_gloo(system, layers, cache, ranks=args.gloo_ranks,
+                                               dim=args.dim, batch=args.batch, seq=args.seq,
+                                               per_rank_cache=where == "per-rank")
+                            row["start"] = label
+                            if label in args.caches:
+                                rows.append(row)
+                                print(json.dumps(row), flush=True)
         return _report(rows, gloo_table(rows), args.json)
     for layers in args.layers:
         for system in args.systems:

@@ -87,5 +87,20 @@ def test_the_gloo_table_sums_each_ranks_cpu_and_compares_with_one_rank(monkeypat
     assert len(rows) == 4
     out = capsys.readouterr().out
     # one rank alone: 40 s; two sharing: 30 + 20 = 50 s, 1.25x
-    assert "| shared | shared | 16 | 41.0 | 30.0 / 20.0 | 50.0 | 1.25 |" in out
-    assert "| alone | per rank | 16 | 41.0 | 40.0 / 40.0 | 80.0 | 2.00 |" in out
+    assert "| shared | shared | cold | 16 | 41.0 | 30.0 / 20.0 | 50.0 | 1.25 |" in out
+    assert "| alone | per rank | cold | 16 | 41.0 | 40.0 / 40.0 | 80.0 | 2.00 |" in out
+
+
+def test_a_warm_gloo_launch_reuses_its_cold_launchs_directory(monkeypatch):
+    dirs: list[str] = []
+
+    def measure_gloo(system, layers, cache_dir, *, ranks, per_rank_cache, **kwargs):
+        dirs.append(cache_dir)
+        return {"system": system, "layers": layers, "first_step_s": 1.0, "cache": "shared",
+                "cpu_s_sum": 2.0, "ranks": [{"first_step_cpu_s": 1.0}] * ranks}
+
+    monkeypatch.setattr(compile_time, "measure_gloo", measure_gloo)
+    rows = compile_time.main(["--gloo-ranks", "2", "--layers", "2", "--systems", "a", "b",
+                              "--caches", "cold", "warm"])
+    assert [r["start"] for r in rows] == ["cold", "warm", "cold", "warm"]
+    assert dirs[0] == dirs[1] != dirs[2] == dirs[3]  # a restart of each system's job
