@@ -36,6 +36,7 @@ Inductor's code generation, the C++ compiler, loading cached code) and graphshar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -233,36 +234,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(_child(args.child, args.layers[0], args.dim, args.world, args.batch,
                                 args.seq, gloo=args.gloo)))
         return []
-    rows = []
+    rows: list[dict] = []
     if args.gloo_ranks:
         for layers in args.layers:
             for system in args.systems:
                 for where in args.gloo_cache:
-                    with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
-                        for label in ("cold", "warm"):
-                            if label == "warm" and "warm" not in args.caches:
-                                break
-                            row = measure_gloo(system, layers, cache, ranks=args.gloo_ranks,
-                                               dim=args.dim, batch=args.batch, seq=args.seq,
-                                               per_rank_cache=where == "per-rank")
-                            row["start"] = label
-                            if label in args.caches:
-                                rows.append(row)
-                                print(json.dumps(row), flush=True)
+                    rows += _cold_then_warm(args.caches, "start", functools.partial(
+                        measure_gloo, system, layers, ranks=args.gloo_ranks, dim=args.dim,
+                        batch=args.batch, seq=args.seq, per_rank_cache=where == "per-rank"))
         return _report(rows, gloo_table(rows), args.json)
     for layers in args.layers:
         for system in args.systems:
-            with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
-                for label in ("cold", "warm"):
-                    if label == "warm" and "warm" not in args.caches:
-                        break
-                    row = measure(system, layers, cache, dim=args.dim, world=args.world,
-                                  batch=args.batch, seq=args.seq)
-                    row["cache"] = label
-                    if label in args.caches:
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+            rows += _cold_then_warm(args.caches, "cache", functools.partial(
+                measure, system, layers, dim=args.dim, world=args.world, batch=args.batch,
+                seq=args.seq))
     return _report(rows, table(rows), args.json)
+
+
+def _cold_then_warm(caches: list[str], label_key: str, measure_on: Any) -> list[dict]:
+    """``measure_on(directory)`` on a new cache directory (cold), then again on the same one
+    (warm, a restart) where ``caches`` asks for it: the rows asked for, each labelled."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
+        for label in ("cold", "warm"):
+            if label == "warm" and "warm" not in caches:
+                break
+            row = measure_on(cache)
+            row[label_key] = label
+            if label in caches:
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 def _report(rows: list[dict], text: str, json_path: str | None) -> list[dict]:
