@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -116,22 +117,40 @@ def test_ranks_that_share_a_cache_directory_load_nothing(fake_cache, monkeypatch
 
 
 def test_by_default_only_ranks_of_one_cache_directory_meet_and_nothing_travels(
-        fake_cache, monkeypatch):
-    """``share_compiled="auto"`` (``transfer=False``): the ranks of one directory wait for its
-    first rank and hit what it wrote; a rank of another directory neither waits for them
-    nor loads anything (it compiles, first in its own directory), and nothing is published
-    through the store."""
+        fake_cache, monkeypatch, tmp_path):
+    """``share_compiled="auto"`` (``transfer=False``): a rank of one directory that reaches
+    the graph while the first one compiles it waits, then hits what it wrote; a rank of
+    another directory neither waits for them nor loads anything (it compiles, first in its
+    own directory), and nothing is published through the store."""
+    import threading
+
     store = dist.HashStore()
     saved: list[int] = []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
                         lambda: saved.append(1) or (b"compiled!", None))
     ranks = [CompileShare(store, r, 5.0, transfer=False) for r in range(3)]
-    where = {0: "boot:1:2:/cache", 1: "boot:1:2:/cache", 2: "boot:9:9:/elsewhere"}
-    results = []
-    for r, share in enumerate(ranks):
-        monkeypatch.setattr(share_mod, "cache_dir_identity", lambda r=r: where[r])
-        results.append(share.compile(_Graph(), [], lambda r=r: f"rank{r}"))
-    assert results == ["rank0", "rank1", "rank2"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "host"))
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:1:2:/host")
+    claim = ranks[0]._key(share_mod.graph_digest(_Graph(), []),
+                          f"graph/{share_mod.hashlib.sha256(b'boot:1:2:/host').hexdigest()[:16]}"
+                          "/claim")
+    results = {}
+    second = threading.Thread(
+        target=lambda: results.update({1: ranks[1].compile(_Graph(), [], lambda: "rank1")}))
+
+    def rank0_compiles() -> str:  # rank 1 arrives while rank 0 compiles, and claims in vain
+        second.start()
+        deadline = time.monotonic() + 10
+        while store.add(claim, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "rank0"
+
+    results[0] = ranks[0].compile(_Graph(), [], rank0_compiles)
+    second.join(10)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:9:9:/elsewhere")
+    results[2] = ranks[2].compile(_Graph(), [], lambda: "rank2")
+    assert results == {0: "rank0", 1: "rank1", 2: "rank2"}
     assert [(s.stats.published, s.stats.loaded, s.stats.same_cache_dir) for s in ranks] == \
         [(1, 0, 0), (0, 1, 1), (1, 0, 0)]
     assert fake_cache == [] and saved == []  # nothing serialised, nothing loaded
@@ -257,7 +276,8 @@ def _shared_compile_job(rank: int, world_size: int) -> dict:
     ref_loss, ref_grads, _ = _run(_two_models(0, (16, 56, 4)), x, compiled=False)
     stats = backend.share.stats
     result["same_dir"] = {
-        "whole": (stats.whole_graphs_compiled, stats.whole_graphs_waited),
+        "whole": (stats.whole_graphs_compiled,
+                  stats.whole_graphs_waited + stats.compiled_before),
         "per_graph": (stats.published, stats.loaded, stats.same_cache_dir),
         "aot_cache": backend.aot_cache,
         "aot_hits": counters["aot_autograd"]["autograd_cache_hit"] - aot_hits,
@@ -294,7 +314,7 @@ def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
     same = sorted((rank0["same_dir"], rank1["same_dir"]), key=lambda r: r["whole"])
     if same[0]["aot_cache"]:  # torch 2.13+: one rank compiled the whole graph, the other was
         # answered by AOTAutograd's cache and ran no pass on its forward and backward
-        assert [r["whole"] for r in same] == [(0, 1), (1, 0)]
+        assert [r["whole"] for r in same] == [(0, 1), (1, 0)]  # (waited or found it marked)
         assert [(r["aot_hits"], r["backend_aot_hits"]) for r in same] == [(1, 1), (0, 0)]
     else:  # torch 2.11 (no AOTAutograd cache): they met per Inductor graph (forward, backward)
         assert [sum(r["per_graph"][i] for r in same) for i in range(3)] == [2, 2, 2]
@@ -307,3 +327,37 @@ def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
         assert torch.equal(rank0[case]["loss"], rank1[case]["loss"])
         for a, b in zip(rank0[case]["grads"], rank1[case]["grads"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_warm_restart_does_not_wait_for_the_first_rank(fake_cache, monkeypatch, tmp_path):
+    """A graph an earlier launch compiled into this directory: every rank of the next launch
+    compiles (hits) at once, even while another rank of that launch holds the claim."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:1:2:/cache")
+    earlier = CompileShare(dist.HashStore(), 0, 5.0, transfer=False)
+    earlier.compile_whole_graph(_Graph(), [], lambda: "cold")
+    assert earlier.stats.whole_graphs_compiled == 1
+
+    store = dist.HashStore()  # the next launch
+    first, second = (CompileShare(store, r, 0.2, transfer=False) for r in range(2))
+    digest = share_mod.graph_digest(_Graph(), [])
+    place = share_mod.hashlib.sha256(b"boot:1:2:/cache").hexdigest()[:16]
+    store.add(first._key(digest, f"whole/{place}/claim"), 1)  # rank 0 is still hitting
+    assert second.compile_whole_graph(_Graph(), [], lambda: "hit") == "hit"
+    assert second.stats.compiled_before == 1
+    assert (second.stats.whole_graphs_waited, second.stats.compiled_alone) == (0, 0)
+
+
+def test_a_failed_compile_leaves_no_marker(fake_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: "boot:1:2:/cache")
+
+    def fails():
+        raise RuntimeError("inductor failed")
+
+    with pytest.raises(RuntimeError):
+        CompileShare(dist.HashStore(), 0, 5.0, transfer=False).compile_whole_graph(
+            _Graph(), [], fails)
+    again = CompileShare(dist.HashStore(), 0, 5.0, transfer=False)
+    again.compile_whole_graph(_Graph(), [], lambda: None)
+    assert (again.stats.compiled_before, again.stats.whole_graphs_compiled) == (0, 1)

@@ -53,7 +53,9 @@ newer), the ranks of one directory meet first on the whole Dynamo graph
 and the plan), with the backward compiled along with the forward: the first rank's
 AOTAutogradCache entry then exists when it is done, and the ranks that waited for it are
 answered by that entry, skipping AOTAutograd's tracing, the partitioner and graphshard's
-passes as well as Inductor.
+passes as well as Inductor. Once the first rank is done it leaves a marker file in the
+directory (``graphshard_compiled/``); on a warm restart, ranks that find the marker for
+their graph skip the meeting and hit the cache all at once instead of in turn.
 
 Enabled by the backend option ``share_compiled`` (default ``"auto"``: on, within cache
 directories, when the default process group has more than one rank on a real backend, gloo
@@ -140,6 +142,24 @@ def cache_dir_identity() -> str | None:
     return f"{machine}:{st.st_dev}:{st.st_ino}:{path}"
 
 
+def _marker_path(level: str, digest: str) -> str:
+    """Where the cache directory records that ``digest`` was compiled into it (a file)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "graphshard_compiled", f"{level}-{digest}")
+
+
+def _mark_compiled(marker: str) -> None:
+    """Record, after its entries are written, that the graph ``marker`` names is compiled
+    into this cache directory. A marker that cannot be written only costs a wait later."""
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "a"):
+            pass
+    except OSError as exc:
+        log.info("graphshard could not mark %s compiled: %r", marker, exc)
+
+
 @dataclass
 class ShareStats:
     """What this process did with the graphs it compiled (:attr:`CompileShare.stats`)."""
@@ -150,6 +170,7 @@ class ShareStats:
     same_cache_dir: int = 0  # of ``loaded``: found in the cache directory shared with the publisher
     whole_graphs_compiled: int = 0  # Dynamo graphs this rank compiled first for its directory
     whole_graphs_waited: int = 0  # Dynamo graphs it waited for (then AOTAutogradCache hits)
+    compiled_before: int = 0  # graphs marked compiled in this directory by an earlier launch
     reasons: list[str] = field(default_factory=list)  # why, for each compiled_alone
 
 
@@ -206,9 +227,16 @@ class CompileShare:
         """``compile_fn()``, run first by one rank of this cache directory while the others
         of the directory wait for it to finish and then run it (a hit there). The stats
         named in ``first`` or ``waited`` count this rank's part. Where the directory cannot
-        be told, every rank compiles at once."""
+        be told, every rank compiles at once. So does every rank for a graph that an earlier
+        launch compiled into this directory (the first rank leaves a marker file there once
+        its entries are written): all of them hit the cache, and waiting for one another
+        would only make the hits take turns."""
         here = cache_dir_identity()
         if here is None:
+            return compile_fn()
+        marker = _marker_path(level, digest)
+        if os.path.exists(marker):  # a warm restart: every rank hits at once, none waits
+            self._count(("compiled_before",))
             return compile_fn()
         place = hashlib.sha256(here.encode()).hexdigest()[:16]
         claim = self._key(digest, f"{level}/{place}/claim")
@@ -216,6 +244,7 @@ class CompileShare:
         if self.store.add(claim, 1) == 1:
             try:
                 compiled = compile_fn()
+                _mark_compiled(marker)
             finally:  # a failure, too, releases the others (each then compiles for itself)
                 self.store.set(done, b"1")
             self._count(first)
