@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
     "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "graph_order",
-    "replace_and_erase",
+    "replace_and_erase", "outputs_of", "waits_of", "wait_of",
 ]
 
 aten = torch.ops.aten
@@ -127,15 +128,33 @@ def collectives(graph: fx.Graph, kind: str) -> list[fx.Node]:
     return [n for n in graph.nodes if n.meta.get("graphshard", {}).get("kind") == kind]
 
 
+def outputs_of(collective: fx.Node) -> list[fx.Node]:
+    """The tensors ``collective`` produces: itself, or for a coalesced collective (which
+    returns a list) its ``getitem`` users in output order."""
+    if not isinstance(collective.meta.get("val"), (list, tuple)):
+        return [collective]
+    items = [u for u in collective.users if u.target is operator.getitem]
+    return sorted(items, key=lambda item: item.args[1])
+
+
+def waits_of(collective: fx.Node) -> list[list[fx.Node]]:
+    """For each output of ``collective``, the ``wait_tensor`` nodes that read it."""
+    return [[u for u in out.users if u.target is c10d.wait_tensor.default]
+            for out in outputs_of(collective)]
+
+
 def wait_of(collective: fx.Node) -> fx.Node:
-    """The ``wait_tensor`` that completes ``collective``."""
-    waits = [u for u in collective.users if u.target is c10d.wait_tensor.default]
-    if len(waits) != 1:
+    """The ``wait_tensor`` that completes ``collective`` (of a coalesced one, the last of its
+    outputs' waits in graph order: past it, every output is complete)."""
+    waits = waits_of(collective)
+    if not waits or any(len(w) != 1 for w in waits):
+        counts = [len(w) for w in waits]
         raise GraphLoweringError(
-            f"collective {collective.name} has {len(waits)} wait_tensor users, expected one: "
-            "a pass copied or dropped a wait"
+            f"collective {collective.name} has {counts[0] if len(counts) == 1 else counts} "
+            "wait_tensor users, expected one (per output): a pass copied or dropped a wait"
         )
-    return waits[0]
+    position = graph_order(collective.graph)
+    return max((w[0] for w in waits), key=position.__getitem__)
 
 
 def ancestors_after(node: fx.Node, position: dict[fx.Node, int], start: int) -> list[fx.Node]:

@@ -11,11 +11,18 @@ With CPU offload the markers carry a ``compute_device``: each host shard is firs
 there (``prims.device_put``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
 gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
 
+With ``plan.all_gather_via == "coalesced"`` a bucket of several parameters is gathered by one
+coalesced all-gather instead: each shard (padded or cast only where it must be) goes in as
+it is, each parameter comes out whole, and neither the copy into a flat buffer nor the copy
+out of the rank-major result is made.
+
 At world 1 there is no one to gather from: each marker becomes its shard itself (after the
 offload copy and the cast, where asked), so the graph is the plain model's.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -40,8 +47,9 @@ __all__ = ["lower_unshard"]
 def lower_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace every bucket's ``unshard`` markers with one all-gather, its wait and views."""
     make = NodeMaker(gm.graph)
+    coalesced = plan.all_gather_via == "coalesced" and not plan.step_prefetch
     for bucket in collect_buckets(gm.graph, is_unshard):
-        _lower_bucket(gm.graph, make, bucket)
+        _lower_bucket(gm.graph, make, bucket, coalesced)
     return gm
 
 
@@ -56,45 +64,63 @@ def _insert_point(graph: fx.Graph, bucket: Bucket) -> fx.Node:
     return anchor
 
 
-def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket) -> None:
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: bool) -> None:
     # Tied parameters appear once per shard input: one slot in the flat buffer each.
     slots: dict[fx.Node, list[fx.Node]] = {}
     for node in bucket.nodes:
         slots.setdefault(marker_args(node).shard, []).append(node)
     first = marker_args(bucket.nodes[0])
-    world, group = first.world_size, first.group_name
-    if world == 1:
+    if first.world_size == 1:
         _lower_local(graph, make, bucket, slots)
         return
 
-    layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, world) for nodes in slots.values()]
-    numels = [layout.piece_numel for layout in layouts]
+    layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, first.world_size)
+               for nodes in slots.values()]
+    tag = {"kind": "unshard", "bucket": bucket.index,
+           "params": [marker_args(nodes[0]).name for nodes in slots.values()]}
     with (graph.inserting_before(_insert_point(graph, bucket)),
           make.provenance(bucket.nodes[0]), make.lowering("unshard", bucket.index)):
-        flats = [
+        pieces = [
             gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index), first),
                          layout, rows_held(shard.meta["val"].shape))
             for shard, layout in zip(slots, layouts, strict=True)
         ]
-        flat = flats[0] if len(flats) == 1 else make(aten.cat.default, flats)
-        gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
-        gathered.meta["graphshard"] = {
-            "kind": "unshard",
-            "bucket": bucket.index,
-            "params": [marker_args(nodes[0]).name for nodes in slots.values()],
-        }
-        waited = make(c10d.wait_tensor.default, gathered)
-        total = sum(numels)
-        matrix = waited if len(slots) == 1 else make(aten.view.default, waited, [world, total])
-        rebuilt = {}
-        offset = 0
-        for shard, layout in zip(slots, layouts, strict=True):
-            column, ranks = _column(make, matrix, offset, layout, total)
-            rebuilt[shard] = full_from_gathered(make, column, layout, ranks)
-            offset += layout.piece_numel
-    for shard, nodes in slots.items():
+        gather = _gather_coalesced if coalesced and len(pieces) > 1 else _gather_flat
+        fulls = gather(make, pieces, layouts, first.world_size, first.group_name, tag)
+    for nodes, full in zip(slots.values(), fulls, strict=True):
         for node in nodes:
-            replace_and_erase(node, rebuilt[shard])
+            replace_and_erase(node, full)
+
+
+def _gather_flat(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],
+                 world: int, group: str, tag: dict) -> list[fx.Node]:
+    """One all-gather of the pieces concatenated; each parameter rebuilt from its column of
+    the rank-major ``[world, bucket_numel]`` result."""
+    flat = pieces[0] if len(pieces) == 1 else make(aten.cat.default, pieces)
+    gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
+    gathered.meta["graphshard"] = tag
+    waited = make(c10d.wait_tensor.default, gathered)
+    total = sum(layout.piece_numel for layout in layouts)
+    matrix = waited if len(pieces) == 1 else make(aten.view.default, waited, [world, total])
+    fulls, offset = [], 0
+    for layout in layouts:
+        column, ranks = _column(make, matrix, offset, layout, total)
+        fulls.append(full_from_gathered(make, column, layout, ranks))
+        offset += layout.piece_numel
+    return fulls
+
+
+def _gather_coalesced(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],
+                      world: int, group: str, tag: dict) -> list[fx.Node]:
+    """One coalesced all-gather of the pieces as they are; each output is one parameter,
+    padded (``world * rows`` rows), so the parameter is a view of it."""
+    gathered = make(c10d.all_gather_into_tensor_coalesced.default, pieces, world, group)
+    gathered.meta["graphshard"] = tag
+    return [
+        full_from_gathered(
+            make, make(c10d.wait_tensor.default, make(operator.getitem, gathered, i)), layout)
+        for i, layout in enumerate(layouts)
+    ]
 
 
 def _lower_local(graph: fx.Graph, make: NodeMaker, bucket: Bucket,

@@ -20,6 +20,7 @@ __all__ = [
 
 BUCKETING = ("block", "size", "auto")
 REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_to_all")
+ALL_GATHER_VIA = ("flat", "coalesced")
 # Process-group backends whose reduce-scatter is an all-reduce of the whole input (gloo's).
 ALL_TO_ALL_BACKENDS = frozenset({"gloo"})
 
@@ -115,6 +116,15 @@ class Plan:
             ``"auto"`` (default): ``"all_to_all"`` on gloo groups, the collective elsewhere
             (the backend reads each group's backend before the passes run; offline, with no
             process group, it is the collective).
+        all_gather_via: how a bucket of several parameters is gathered. ``"flat"``
+            (default): its shards are copied into one buffer, gathered in one all-gather,
+            and each parameter is copied out of the rank-major result. ``"coalesced"``: one
+            coalesced all-gather (``all_gather_into_tensor_coalesced``, still one collective
+            call) takes every shard where it lives and writes every parameter whole, so
+            neither copy is made (a shard that needs padding or a cast still gets its own
+            copy); the backend runs the pieces as one group (NCCL) or packs them itself
+            (gloo). With ``step_prefetch`` every bucket stays flat (the optimizer step
+            gathers flat buffers).
 
     Every option is checked when the plan is made (so at ``graphshard.backend(...)``, not at
     the first compile): a wrong type raises ``GraphshardTypeError`` and a value out of range
@@ -131,6 +141,7 @@ class Plan:
     split_last_reduce: bool = True
     reduce_scatter_via: str = "auto"
     memory_budget: int | str | None = None
+    all_gather_via: str = "flat"
 
     def __post_init__(self) -> None:
         _check_int("prefetch_depth", self.prefetch_depth, 0, self,
@@ -143,6 +154,7 @@ class Plan:
         for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
+        _check_choice("all_gather_via", self.all_gather_via, ALL_GATHER_VIA)
         if self.memory_budget is not None:
             value = self.memory_budget
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):

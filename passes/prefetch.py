@@ -14,6 +14,7 @@ import warnings
 
 from torch import fx
 
+from graphshard.passes.cost_model import tensor_bytes
 from graphshard.passes.fx_util import (
     ancestors_after,
     collectives,
@@ -28,8 +29,7 @@ __all__ = ["prefetch", "gathered_bytes"]
 
 def gathered_bytes(gather: fx.Node) -> int:
     """Bytes of the gathered (unsharded) buffer an all-gather produces."""
-    val = gather.meta["val"]
-    return val.numel() * val.element_size()
+    return tensor_bytes(gather.meta["val"])
 
 
 def _issue_after(sizes: list[int], depth: int, cap: int | None) -> list[int | None]:

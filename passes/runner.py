@@ -24,17 +24,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphshardError
+from graphshard.passes.fx_util import waits_of
 from graphshard.passes.markers import is_collective_start, is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
 
 __all__ = ["PassInvariantError", "PassRunner", "check_invariants", "collective_order"]
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
-_c10d = torch.ops._c10d_functional
 _AOT_STAGES = ("joint", "fw", "bw", "inference")
 
 
@@ -118,9 +117,10 @@ def check_invariants(stage: str, gm: fx.GraphModule, done: Sequence[str]) -> Non
         if stage in _AOT_STAGES and "val" not in node.meta and not _is_profiler_op(node):
             fail(node, 'no meta["val"]')
         if is_collective_start(node):
-            waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
-            if len(waits) != 1:
-                fail(node, f"a collective waited on {len(waits)} times (must be once)")
+            counts = [len(waits) for waits in waits_of(node)]
+            if not counts or any(count != 1 for count in counts):
+                fail(node, "a collective waited on "
+                     f"{counts[0] if len(counts) == 1 else counts} times (must be once per output)")
 
 
 

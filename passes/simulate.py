@@ -9,6 +9,7 @@ issued on the comm stream when compute reaches it (and the stream is free), and
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ c10d = torch.ops._c10d_functional
 # Ops through which the lowered passes rebuild parameters from a gathered buffer: the buffer
 # stays alive as long as anything derived through them is still used.
 _REBUILD_OPS = {
+    operator.getitem,  # an output of a coalesced all-gather
     c10d.wait_tensor.default,
     aten.view.default,
     aten.slice.Tensor,
@@ -109,6 +111,8 @@ def _waited_collective(node: fx.Node, ends: dict[fx.Node, float]) -> fx.Node | N
     if node.op != "call_function" or node.target is not c10d.wait_tensor.default:
         return None
     src = node.args[0]
+    if src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]  # an output of a coalesced collective
     return src if src in ends else None
 
 

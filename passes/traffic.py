@@ -45,6 +45,7 @@ Figures are per rank, for the rank whose graphs these are (padding differs by ra
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -143,8 +144,9 @@ def _tag(node: fx.Node) -> dict | None:
 
 
 def _is_wire(node: fx.Node) -> bool:
-    """A collective or its wait."""
-    return is_collective_start(node) or node.target is c10d.wait_tensor.default
+    """A collective, one of a coalesced collective's outputs, or a wait."""
+    return is_collective_start(node) or node.target is c10d.wait_tensor.default or (
+        node.target is operator.getitem and is_collective_start(node.args[0]))
 
 
 def _is_device_copy(node: fx.Node) -> bool:
@@ -310,8 +312,7 @@ class _Account:
         minimum = dict.fromkeys(CATEGORIES, 0)
         kernels = 0
         for (side, _), nodes in groups.items():
-            collective = next((n for n in nodes if _is_wire(n)
-                               and n.target is not c10d.wait_tensor.default
+            collective = next((n for n in nodes if is_collective_start(n)
                                and n.target is not c10d.all_reduce.default), None)
             before = _ancestors(collective, set(nodes)) if collective is not None else set()
             for _, category, size, pad in self.kernels(side, nodes, collective, before):
@@ -343,26 +344,31 @@ class _Account:
         if collective is None:
             return
         members = set(nodes)
-        buffer = collective.args[0]
-        leaves = self.leaves(buffer, members)
+        # a coalesced all-gather takes one buffer per parameter, each its own minimum
+        coalesced = isinstance(collective.args[0], (list, tuple))
+        buffers = list(collective.args[0]) if coalesced else [collective.args[0]]
         pad = _padding([n for n in before if self.is_data(n)])
         yield ("padding" if side == "unshard" else "grad_padding"), pad
         world = collective.args[1] if side == "unshard" else collective.args[2]
         if isinstance(world, (list, tuple)):  # an all-to-all reduce-scatter: its split sizes
             world = len(world)
-        whole = world == 1 or (
-            len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
-            and _val(leaves[0]).numel() == _val(buffer).numel()
-            and _val(leaves[0]).is_contiguous())
-        if not whole:
-            yield (("copy_in" if side == "unshard" else "grad_copy_in"),
-                   sum(_bytes(leaf) for leaf in leaves) + _bytes(buffer) - pad)
-        elif world == 1:  # no buffer is needed, only the casts (the shard is the parameter)
-            itemsize = _val(buffer).element_size()
-            yield ("cast" if side == "unshard" else "grad_cast"), sum(
-                _bytes(leaf) + _val(leaf).numel() * itemsize for leaf in leaves
-                if _val(leaf).dtype != _val(buffer).dtype)
-        if side == "unshard" and world > 1 and len(leaves) > 1:
+        copied = 0
+        for buffer in buffers:
+            leaves = self.leaves(buffer, members)
+            whole = world == 1 or (
+                len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
+                and _val(leaves[0]).numel() == _val(buffer).numel()
+                and _val(leaves[0]).is_contiguous())
+            if not whole:
+                copied += sum(_bytes(leaf) for leaf in leaves) + _bytes(buffer)
+            elif world == 1:  # no buffer is needed, only the casts (the shard is the parameter)
+                itemsize = _val(buffer).element_size()
+                yield ("cast" if side == "unshard" else "grad_cast"), sum(
+                    _bytes(leaf) + _val(leaf).numel() * itemsize for leaf in leaves
+                    if _val(leaf).dtype != _val(buffer).dtype)
+        if copied:
+            yield ("copy_in" if side == "unshard" else "grad_copy_in"), copied - pad
+        if side == "unshard" and world > 1 and not coalesced and len(leaves) > 1:
             outputs = {n for n in nodes if n not in before and n is not collective
                        and any(u not in members for u in n.users)}
             yield "interleave", sum(2 * _bytes(n) for n in outputs

@@ -140,6 +140,8 @@ VARIANTS: dict[str, dict] = {
     "auto_capped": {"bucketing": "auto", "prefetch_depth": 2, "max_unsharded_bytes": 200_000},
     # gloo's own reduce-scatter (an all-reduce in disguise) instead of the all-to-all
     "rs_collective": {"reduce_scatter_via": "reduce_scatter"},
+    # each bucket gathered by one coalesced all-gather: no copy into or out of a flat buffer
+    "coalesced": {"all_gather_via": "coalesced"},
 }
 
 
@@ -160,10 +162,12 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    bw_collectives = sorted({
-        str(node.target) for stages in backend.graphs if "bw" in stages
-        for node in stages["bw"].graph.nodes if is_collective_start(node)})
-    return {"losses": losses, "state": full_state(model), "bw_collectives": bw_collectives}
+    collectives = {stage: sorted({
+        str(node.target) for stages in backend.graphs if stage in stages
+        for node in stages[stage].graph.nodes if is_collective_start(node)})
+        for stage in ("fw", "bw")}
+    return {"losses": losses, "state": full_state(model), "bw_collectives": collectives["bw"],
+            "fw_collectives": collectives["fw"]}
 
 
 def train_reference(case: str, world_size: int) -> dict:

@@ -19,10 +19,11 @@ aten = torch.ops.aten
 RS = c10d.reduce_scatter_tensor.default
 
 
-def _stages(model: nn.Module, world: int, **shard_options) -> dict[str, fx.GraphModule]:
-    with fake_process_group(world):
+def _stages(model: nn.Module, world: int, backend_options: dict | None = None, rank: int = 0,
+            **shard_options) -> dict[str, fx.GraphModule]:
+    with fake_process_group(world, rank):
         torch.manual_seed(0)
-        backend = graphshard.backend(inductor=False)
+        backend = graphshard.backend(inductor=False, **(backend_options or {}))
         compiled = torch.compile(graphshard.shard(model, **shard_options), backend=backend,
                                  fullgraph=True)
         compiled(torch.randn(4, 8)).sum().backward()
@@ -80,6 +81,31 @@ def test_the_interleave_copies_only_ranks_that_hold_rows():
     assert sorted(tuple(c.meta["val"].shape) for c in clones) == [(3, 1), (3, 8)]
     t = traffic(stages["fw"])
     assert t.moved["interleave"] == t.minimum["interleave"] > 0
+
+
+def test_a_coalesced_gather_copies_a_shard_only_where_it_must_be_padded():
+    """``all_gather_via="coalesced"``: every bucket is one coalesced all-gather of its shards
+    as they are, and each parameter is a view of its own output. At world 4 the head
+    ([3, 8] and [3], one row a rank) leaves rank 3 no rows: its empty shards are padded to a
+    piece, the only copy left on that rank; nothing is concatenated or copied out."""
+    flat = _stages(TwoBlock(), 4, rank=3)["fw"]
+    fw = _stages(TwoBlock(), 4, {"all_gather_via": "coalesced"}, rank=3)["fw"]
+    gathers = calls(fw, c10d.all_gather_into_tensor_coalesced.default)
+    assert calls(fw, c10d.all_gather_into_tensor.default) == []
+    assert [g.meta["graphshard"]["params"] for g in gathers] == \
+        [g.meta["graphshard"]["params"] for g in calls(flat, c10d.all_gather_into_tensor.default)]
+    copies = [n.target for n in fw.graph.nodes if LOWERED in n.meta
+              and n.target not in VIEWS and n.op == "call_function"
+              and n.target not in (aten.constant_pad_nd.default, c10d.wait_tensor.default,
+                                   c10d.all_gather_into_tensor_coalesced.default)
+              and n.target.__name__ != "getitem"]
+    assert copies == []
+    pads = [n for n in fw.graph.nodes if n.target is aten.constant_pad_nd.default]
+    assert len(pads) == 2  # the head's weight and bias
+    t, before = traffic(fw), traffic(flat)
+    assert t.moved["interleave"] == t.minimum["interleave"] == 0 < before.moved["interleave"]
+    assert t.moved["copy_in"] == t.minimum["copy_in"] < before.moved["copy_in"]
+    assert t.moved["padding"] == before.moved["padding"] > 0
 
 
 def _rank_major_ops(shape, world: int, strided: bool, contiguous: bool) -> list:

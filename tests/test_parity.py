@@ -10,6 +10,10 @@ from parity import CASES, assert_matches, run_jobs, train_reference
 MODES = ("eager", "compiled")
 WORLD2_JOBS = [(case, mode) for case in CASES if case != "odd_params" for mode in MODES]
 WORLD3_JOBS = [(case, mode) for case in ("mlp_odd", "odd_params") for mode in MODES]
+# Coalesced gathers, on tied weights (world 2) and on shards that need padding, a 0-D value
+# and fewer rows than ranks (world 3).
+COALESCED_JOBS = {2: ("llama_tied", "compiled", "coalesced"),
+                  3: ("odd_params", "compiled", "coalesced")}
 # Every scheduling depth and bucketing strategy keeps the numerics exact.
 VARIANT_JOBS = [
     ("mlp_odd", "compiled", "depth0"),
@@ -23,12 +27,12 @@ VARIANT_JOBS = [
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_ranks(run_jobs, 2, WORLD2_JOBS + VARIANT_JOBS)
+    return run_ranks(run_jobs, 2, WORLD2_JOBS + VARIANT_JOBS + [COALESCED_JOBS[2]])
 
 
 @pytest.fixture(scope="module")
 def world3():
-    return run_ranks(run_jobs, 3, WORLD3_JOBS)
+    return run_ranks(run_jobs, 3, WORLD3_JOBS + [COALESCED_JOBS[3]])
 
 
 @pytest.mark.parametrize("case,mode", WORLD2_JOBS)
@@ -64,6 +68,22 @@ def test_gloo_reduce_scatters_run_as_all_to_all_with_the_same_bits(world2):
         assert via_a2a["losses"] == via_rs["losses"]
         for key, value in via_rs["state"].items():
             assert torch.equal(via_a2a["state"][key], value), key
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_gathers_match_single_process(world2, world3, world):
+    """``all_gather_via="coalesced"``: the same numbers as one process, bit for bit the same
+    as the flat gather's (the same values are gathered, only not through a flat buffer)."""
+    job = COALESCED_JOBS[world]
+    reference = train_reference(job[0], world)
+    for rank_results in (world2 if world == 2 else world3):
+        result, flat = rank_results[job], rank_results[job[:2]]
+        assert "_c10d_functional.all_gather_into_tensor_coalesced.default" in \
+            result["fw_collectives"]
+        assert_matches(result, reference)
+        assert result["losses"] == flat["losses"]
+        for key, value in flat["state"].items():
+            assert torch.equal(result["state"][key], value), key
 
 
 @pytest.mark.parametrize("case,mode", WORLD3_JOBS)

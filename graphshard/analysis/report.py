@@ -13,6 +13,7 @@ from graphshard.passes.cost_model import (
     collective_group,
     collective_kind,
     node_time,
+    tensor_bytes,
 )
 from graphshard.passes.simulate import Timeline, simulate
 
@@ -28,8 +29,12 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
     rows = []
     for node in gm.graph.nodes:
         tag = node.meta.get("graphshard")
-        if not tag or "val" not in node.args[0].meta:
+        if not tag:
             continue
+        inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        if any("val" not in i.meta for i in inputs):
+            continue
+        # a coalesced all-gather's value is its list of parameters
         full = node.meta["val"] if tag["kind"] == "unshard" else node.args[0].meta["val"]
         kind = collective_kind(node)
         world = tag.get("group_size") if kind in ("all_reduce", "all_to_all") else node.args[-2]
@@ -39,7 +44,7 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
                 "bucket": tag["bucket"],
                 "params": len(tag.get("params", [])),
                 "names": tag.get("params", []),
-                "unsharded_bytes": full.numel() * full.element_size(),
+                "unsharded_bytes": tensor_bytes(full),
                 "world_size": int(world),
                 "bytes_sent": collective_bytes_per_rank(node),
                 "seconds": node_time(node, profile),

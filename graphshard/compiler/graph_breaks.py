@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from graphshard.passes.cost_model import HardwareProfile, all_gather_time, reduce_scatter_time
+from graphshard.passes.cost_model import (
+    HardwareProfile,
+    all_gather_time,
+    reduce_scatter_time,
+    tensor_bytes,
+)
 from graphshard.passes.fx_util import collectives
 from graphshard.passes.markers import is_reduce_grad, marker_args
 
@@ -78,10 +83,13 @@ def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _param_bytes(gather: fx.Node) -> dict[str, int]:
-    """Unsharded bytes per parameter of one lowered all-gather (shared evenly if unknown)."""
+    """Unsharded bytes per parameter of one lowered all-gather (shared evenly if unknown; a
+    coalesced all-gather's value holds each parameter's own)."""
     names = gather.meta["graphshard"]["params"]
     val = gather.meta["val"]
-    total = val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return {name: tensor_bytes(v) for name, v in zip(names, val, strict=True)}
+    total = tensor_bytes(val)
     return {name: total // max(1, len(names)) for name in names}
 
 
