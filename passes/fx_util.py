@@ -16,7 +16,7 @@ from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
     "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "graph_order",
-    "replace_and_erase", "outputs_of", "waits_of", "wait_of",
+    "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
 ]
 
 aten = torch.ops.aten
@@ -143,9 +143,10 @@ def waits_of(collective: fx.Node) -> list[list[fx.Node]]:
             for out in outputs_of(collective)]
 
 
-def wait_of(collective: fx.Node) -> fx.Node:
-    """The ``wait_tensor`` that completes ``collective`` (of a coalesced one, the last of its
-    outputs' waits in graph order: past it, every output is complete)."""
+def wait_of(collective: fx.Node, last: bool = True) -> fx.Node:
+    """The ``wait_tensor`` that completes ``collective``. Of a coalesced one, the last of its
+    outputs' waits in graph order (past it, every output is complete), or with ``last=False``
+    the first (before it, none is waited for)."""
     waits = waits_of(collective)
     if not waits or any(len(w) != 1 for w in waits):
         counts = [len(w) for w in waits]
@@ -154,7 +155,7 @@ def wait_of(collective: fx.Node) -> fx.Node:
             "wait_tensor users, expected one (per output): a pass copied or dropped a wait"
         )
     position = graph_order(collective.graph)
-    return max((w[0] for w in waits), key=position.__getitem__)
+    return (max if last else min)((w[0] for w in waits), key=position.__getitem__)
 
 
 def ancestors_after(node: fx.Node, position: dict[fx.Node, int], start: int) -> list[fx.Node]:
@@ -181,6 +182,17 @@ def descendants(node: fx.Node) -> list[fx.Node]:
         found.add(current)
         stack.extend(current.users)
     position = graph_order(node.graph)
+    return sorted(found, key=position.__getitem__)
+
+
+def completed(collective: fx.Node) -> list[fx.Node]:
+    """The waits of ``collective`` (one per output) and every node that depends on them, in
+    graph order: what may run only once the collective has finished."""
+    found: dict[fx.Node, None] = {}
+    for waits in waits_of(collective):
+        for wait in waits:
+            found.update(dict.fromkeys(descendants(wait)))
+    position = graph_order(collective.graph)
     return sorted(found, key=position.__getitem__)
 
 

@@ -69,7 +69,7 @@ def prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for k, j in enumerate(_issue_after(sizes, plan.prefetch_depth, plan.max_unsharded_bytes)):
         if j is None:
             continue
-        anchor = wait_of(gathers[0]) if j < 0 else wait_of(gathers[j]).next
+        anchor = wait_of(gathers[0], last=False) if j < 0 else wait_of(gathers[j]).next
         position = graph_order(gm.graph)
         chain = ancestors_after(gathers[k], position, position[anchor])
         move_before(chain, anchor)

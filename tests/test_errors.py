@@ -137,6 +137,8 @@ BAD_OPTIONS = [
     ("step_prefetch", "no", TypeError, r"step_prefetch must be True or False, got 'no' \(str\)"),
     ("split_last_reduce", None, TypeError, r"split_last_reduce must be True or False, got None"),
     ("reduce_scatter_via", "ring", ValueError, r"reduce_scatter_via must be one of .*'ring'"),
+    ("all_gather_via", "grouped", ValueError,
+     r"all_gather_via must be one of \('flat', 'coalesced'\), got 'grouped'"),
     ("dump_dir", 123, TypeError, r"dump_dir must be a directory path .*got 123 \(int\)"),
     ("inductor", "no", TypeError, r"inductor must be True .*or False .*got 'no' \(str\)"),
     ("shard:reshard_after_forward", "no", TypeError,
