@@ -2,7 +2,8 @@
 the other 7 ranks are imagined to hold what rank 0 holds. Each case is checked against one
 process training the model the fake world computes (rank 0's blocks tiled, see
 ``gpu_harness``), eager and compiled: fp32, bf16 and fp16 mixed precision, ``no_sync``,
-HSDP 2 x 4, tensor parallel dp 4 x tp 2, activation checkpointing, ``step_prefetch``, and
+HSDP 2 x 4, tensor parallel dp 4 x tp 2, activation checkpointing, ``step_prefetch``,
+coalesced collectives, and
 meta-device construction with ``init_weights`` or a broadcast load."""
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def test_activation_checkpointing(fake_world8, mode):
 
 def test_step_prefetch(fake_world8):
     gpu_cases.case_step_prefetch(fake_world8)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_coalesced_collectives(fake_world8, precision):
+    gpu_cases.case_coalesced(fake_world8, precision)
 
 
 @pytest.mark.parametrize("mode", MODES)
