@@ -52,6 +52,13 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         "with reshard_after_forward='auto' and let the compiler keep or free "
                         "each bucket to fit it; prints the choice per bucket and the predicted "
                         "peak")
+    parser.add_argument("--all-gather-via", choices=["flat", "coalesced"], default="flat",
+                        help="gather a bucket through one flat buffer, or by one coalesced "
+                        "all-gather of its shards as they are (no copy in or out)")
+    parser.add_argument("--reduce-scatter-via",
+                        choices=["auto", "reduce_scatter", "all_to_all", "coalesced"],
+                        default="auto", help="how a bucket's gradients are reduce-scattered "
+                        "(coalesced: each gradient where it lives, no copy into a buffer)")
     parser.add_argument("--profile", default="cpu-gloo",
                         help="hardware profile: h100-nvlink, h100-infiniband, cpu-gloo, or a "
                         "calibrated one")
@@ -64,6 +71,8 @@ def _plan_options(args: argparse.Namespace) -> dict:
         "prefetch_depth": args.prefetch_depth,
         "max_unsharded_bytes": args.max_unsharded_bytes,
         "profile": args.profile,
+        "all_gather_via": args.all_gather_via,
+        "reduce_scatter_via": args.reduce_scatter_via,
         "tp": args.tp,
         **({} if args.memory_budget is None else {"memory_budget": args.memory_budget}),
     }
