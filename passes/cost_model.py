@@ -186,7 +186,6 @@ _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.all_gather_into_tensor_coalesced.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
     # An all-gather the optimizer step may have issued early (``step_prefetch``): priced as

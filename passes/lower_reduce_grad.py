@@ -29,8 +29,6 @@ copy or collective, as in a plain model's graph.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
@@ -62,8 +60,7 @@ def lower_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         else:
             backend = bucket.nodes[-1].meta.get("group_backend")
             _lower_bucket(gm.graph, make, bucket,
-                          all_to_all=use_all_to_all(plan.reduce_scatter_via, backend),
-                          coalesced=plan.reduce_scatter_via == "coalesced")
+                          all_to_all=use_all_to_all(plan.reduce_scatter_via, backend))
     return gm
 
 
@@ -109,8 +106,7 @@ def _check_users_after(graph: fx.Graph, bucket: Bucket, anchor: fx.Node) -> None
                 )
 
 
-def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: bool,
-                  coalesced: bool) -> None:
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: bool) -> None:
     anchor = bucket.nodes[-1]
     _check_users_after(graph, bucket, anchor)
     first = marker_args(bucket.nodes[0])
@@ -126,42 +122,9 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: 
                 grad = make(aten.add.Tensor, grad, args.pending_full)
             dense = grad.meta["val"].is_contiguous()
             columns.append(rank_major(make, grad, layouts[-1], contiguous=dense))
-        if coalesced and _coalescable(bucket, columns):
-            shards = _reduce_coalesced(make, bucket, columns, layouts, world, group)
-        else:
-            shards = _reduce_flat(make, bucket, columns, layouts, world, group, all_to_all)
+        shards = _reduce_flat(make, bucket, columns, layouts, world, group, all_to_all)
     for node, shard in zip(list(bucket.nodes), shards, strict=True):
         replace_and_erase(node, shard)
-
-
-def _coalescable(bucket: Bucket, columns: list[fx.Node]) -> bool:
-    """A bucket of several final gradients whose reduced pieces go straight to the shards:
-    nothing held back is added, no replica all-reduce, no cast back, no host copy."""
-    first = marker_args(bucket.nodes[0])
-    dtype = columns[0].meta["val"].dtype
-    return (len(bucket.nodes) > 1 and first.all_reduce and first.replica_size <= 1
-            and not first.out_device
-            and (first.out_dtype is None or first.out_dtype == dtype)
-            and all(marker_args(n).pending_partial is None for n in bucket.nodes))
-
-
-def _reduce_coalesced(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
-                      layouts: list[Dim0Layout], world: int, group: str) -> list[fx.Node]:
-    """One coalesced reduce-scatter of each gradient's rank-major layout; each output is
-    this rank's padded piece of one parameter, cut to its rows."""
-    op, factor = reduce_op(columns[0].meta["val"].dtype, world)
-    inputs = []
-    for column in columns:
-        flat = make(aten.view.default, column, [-1])
-        inputs.append(flat if factor == 1.0 else make(aten.mul.Tensor, flat, factor))
-    reduced = make(c10d.reduce_scatter_tensor_coalesced.default, inputs, op, world, group)
-    reduced.meta["graphshard"] = {"kind": "reduce_grad", "bucket": bucket.index,
-                                  "params": bucket.names}
-    return [
-        local_from_reduced(make, make(c10d.wait_tensor.default, make(operator.getitem, reduced, i)),
-                           layout, marker_args(node).local_rows)
-        for i, (node, layout) in enumerate(zip(bucket.nodes, layouts, strict=True))
-    ]
 
 
 def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],

@@ -37,9 +37,9 @@ once, nothing at all when the buffer can be the one shard itself (same dtype, co
 nothing to pad); every cast is fused into the copy-in; padding writes its zeros once; each
 parameter of a multi-parameter bucket gathered over several ranks is materialised once (its
 real rows read and written by one interleave), any other parameter is a view of the
-gathered buffer. A coalesced collective (``all_gather_via`` / ``reduce_scatter_via=
-"coalesced"``) takes one buffer per parameter, each its own minimum: nothing for a shard or
-gradient that goes in as it is, and no interleave (each output is one parameter).
+gathered buffer. A coalesced all-gather (``all_gather_via="coalesced"``) takes one buffer
+per parameter, each its own minimum: nothing for a shard that goes in as it is, and no
+interleave (each output is one parameter).
 What the semantics ask beyond that (a cast at world 1, the cast of reduced
 gradients back, offload copies, held-back gradients added, the sum after an all-to-all
 reduce-scatter) counts at what it moves.

@@ -126,8 +126,7 @@ def break_cost(
     if not gathers:
         return cost
     world = _world(gathers[0])
-    first = gathers[0].meta["val"]
-    cost.gather_bytes = first.numel() * first.element_size()
+    cost.gather_bytes = tensor_bytes(gathers[0].meta["val"])  # a coalesced one's: a list
     cost.gather_s = all_gather_time(cost.gather_bytes, world, profile)
     cost.reduce_bytes = _first_reduce_bytes(stages.get("joint"), world)
     if cost.reduce_bytes:
