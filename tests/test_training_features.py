@@ -225,6 +225,22 @@ def test_graph_break_warns_with_reason_location_and_cost(fake2):
     assert "+1 exposed reduce-scatter" in message
 
 
+def test_a_graph_break_after_coalesced_gathers_is_costed_the_same(fake2):
+    """``all_gather_via="coalesced"``: the gather after a break is a list of parameters; the
+    warning prices the same bytes as the flat buffer's."""
+    messages = {}
+    for via in ("flat", "coalesced"):
+        torch.manual_seed(0)
+        model = graphshard.shard(Breaks())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(model, *_regression(), all_gather_via=via)
+        (warning,) = [w for w in caught if w.category is GraphBreakWarning]
+        messages[via] = str(warning.message)
+    assert "+1 exposed all-gather (" in messages["coalesced"]
+    assert messages["coalesced"] == messages["flat"]
+
+
 class BreakAfterUse(Blocks):
     def forward(self, x, y):
         loss = super().forward(x, y)
