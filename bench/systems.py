@@ -133,8 +133,11 @@ def variant_options(name: str) -> dict[str, Any] | None:
         except (ValueError, SyntaxError):
             options[key] = text
     for key in SHARD_OPTIONS & options.keys():
-        if not isinstance(options[key], bool):
-            raise ValueError(f"{name}: {key} must be True or False, got {options[key]!r}")
+        value = options[key]
+        if isinstance(value, bool) or (key == "reshard_after_forward" and value == "auto"):
+            continue
+        allowed = "True, False or auto" if key == "reshard_after_forward" else "True or False"
+        raise ValueError(f"{name}: {key} must be {allowed}, got {value!r}")
     try:
         graphshard.backend(**{k: v for k, v in options.items() if k not in SHARD_OPTIONS})
     except (TypeError, ValueError) as exc:

@@ -249,7 +249,8 @@ class CompileShare:
                 self.store.set(done, b"1")
             self._count(first)
             return compiled
-        self._after_waiting(digest, self._wait([done]), waited)
+        self._after_waiting(digest, self._wait([done], "the first rank of this cache directory "
+                                               "to finish compiling"), waited)
         return compile_fn()
 
     def _after_waiting(self, digest: str, reason: str | None, waited: tuple[str, ...]) -> None:
@@ -266,13 +267,14 @@ class CompileShare:
         for name in names:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
 
-    def _wait(self, keys: list[str]) -> str | None:
-        """Wait until one of ``keys`` is in the store: None, or why the wait ended without."""
+    def _wait(self, keys: list[str], what: str) -> str | None:
+        """Wait until one of ``keys`` is in the store: None, or why the wait ended without
+        (``what``: what the wait was for, named in that reason)."""
         deadline = time.monotonic() + self.timeout_s
         delay = 0.01
         while not any(self.store.check([key]) for key in keys):
             if time.monotonic() >= deadline:
-                return f"no artifacts after {self.timeout_s:.0f} s"
+                return f"waited {self.timeout_s:g} s for {what}"
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
         return None
@@ -298,7 +300,7 @@ class CompileShare:
     def _load(self, digest: str) -> str | None:
         """Load the artifacts published for ``digest``; None on success, else why not."""
         ready, failed = self._key(digest, "ready"), self._key(digest, "failed")
-        timed_out = self._wait([ready, failed])
+        timed_out = self._wait([ready, failed], "another rank's published artifacts")
         if timed_out is not None:
             return timed_out
         if self.store.check([failed]):
