@@ -20,7 +20,7 @@ from torch._inductor.utils import run_and_get_code
 
 import graphshard
 from graphshard.errors import GraphshardTypeError
-from graphshard.models.llama import Llama, LlamaConfig
+from graphshard.models.llama import Llama, LlamaConfig, llama_config
 from graphshard.passes.markers import is_unshard
 from graphshard.passes.regions import region_calls
 
@@ -245,6 +245,43 @@ def test_generated_code_holds_one_body_per_distinct_block(one_rank):
     torch.compile(reference, backend=graphshard.backend())(tokens, tokens).loss.backward()
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad.full_tensor() / 3, theirs.grad.full_tensor())
+
+
+def _inputs_a_body_overwrites(code: str) -> list[str]:
+    """The lines of generated region backward bodies (``partitioned_bw_subgraph*``) that take
+    the buffer of one of the body's own inputs for a result (Inductor's ``# reuse``)."""
+    found = []
+    for match in re.finditer(r"def (partitioned_bw_subgraph\w*)\(args\):\n\s+(.*?) = args\n"
+                             r"(.*?)(?=\ndef |\Z)", code, re.S):
+        inputs = {name.strip() for name in match[2].split(",")}
+        for line in match[3].splitlines():
+            source = re.search(r"= (?:reinterpret_tensor\()?(\w+)[,;].*# reuse", line)
+            if source and source[1] in inputs:
+                found.append(line.strip())
+    return found
+
+
+def test_a_region_backward_writes_into_none_of_its_inputs(fake2):
+    """torch's lowering of a region body applies the step backward's donated-input positions
+    to the body's own inputs (pytorch/pytorch#192840): a body put its result in the buffer of
+    an input the step still held, and with a coalesced reduce-scatter the first block's
+    gradients came out wrong. graphshard lowers region bodies without donation, under cache
+    keys of their own (a body compiled with donation is never loaded)."""
+    torch.manual_seed(0)
+    model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=False)))
+    compiled = torch.compile(model, backend=graphshard.backend())
+
+    def step():
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        compiled(tokens, tokens).loss.backward()
+
+    _, (_, backward) = run_and_get_code(step)
+    assert "def partitioned_bw_subgraph" in backward
+    assert _inputs_a_body_overwrites(backward) == []
+    # the check sees such a line where there is one
+    assert _inputs_a_body_overwrites(
+        "def partitioned_bw_subgraph_0(args):\n    s_x, s_g = args\n"
+        "    s_b = s_g; del s_g  # reuse\n") == ["s_b = s_g; del s_g  # reuse"]
 
 
 class _Breaking(nn.Module):

@@ -35,6 +35,7 @@ from graphshard.compiler.cache_key import (
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_facts, run_passes
+from graphshard.compiler.region_donation import regions_donate_no_inputs
 from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
@@ -83,8 +84,9 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         # Inductor's peak-memory reordering would undo the collective schedule the passes
         # chose. Meshes among the inputs must not carry a per-process hash into the FX-cache
         # key; nor the plan (``aot_cache``): the passes' output is the whole story there.
+        # Region bodies must not donate their inputs (a torch bug: region_donation.py).
         with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash(), \
-                plan_out_of_fx_key():
+                plan_out_of_fx_key(), regions_donate_no_inputs():
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
     if share is None:
