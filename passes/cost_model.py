@@ -186,6 +186,7 @@ _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.all_gather_into_tensor_coalesced.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
     c10d.all_to_all_single.default: "all_to_all",
     # An all-gather the optimizer step may have issued early (``step_prefetch``): priced as
@@ -278,8 +279,15 @@ def collective_bytes_per_rank(node: fx.Node, world_size: int | None = None) -> f
     if kind == "all_gather":
         full = tensor_bytes(node.meta["val"])
     else:
-        full = tensor_bytes(node.args[0].meta["val"])
+        full = input_bytes(node)
     return (2 if kind == "all_reduce" else 1) * (n - 1) / n * full
+
+
+def input_bytes(node: fx.Node) -> int:
+    """Bytes of a collective's input: its first argument, or for a coalesced collective the
+    list of tensors that is its first argument."""
+    inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    return sum(tensor_bytes(i.meta["val"]) for i in inputs)
 
 
 def _int(x: Any) -> int:
@@ -388,8 +396,7 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
     if kind == "all_gather":
         return all_gather_time(tensor_bytes(node.meta["val"]), int(node.args[1]), profile)
     if kind == "reduce_scatter":
-        full = tensor_bytes(node.args[0].meta["val"])
-        return reduce_scatter_time(full, int(node.args[2]), profile)
+        return reduce_scatter_time(input_bytes(node), int(node.args[2]), profile)
     if kind in ("all_reduce", "all_to_all"):
         # An all-reduce the lowering made (HSDP's replica reduction) records its group size;
         # the backend records the size of DTensor's (tensor parallel) ones.

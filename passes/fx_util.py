@@ -16,7 +16,7 @@ from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
     "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "graph_order",
-    "replace_and_erase", "outputs_of", "waits_of", "wait_of",
+    "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
 ]
 
 aten = torch.ops.aten
@@ -182,6 +182,17 @@ def descendants(node: fx.Node) -> list[fx.Node]:
         found.add(current)
         stack.extend(current.users)
     position = graph_order(node.graph)
+    return sorted(found, key=position.__getitem__)
+
+
+def completed(collective: fx.Node) -> list[fx.Node]:
+    """The waits of ``collective`` (one per output) and every node that depends on them, in
+    graph order: what may run only once the collective has finished."""
+    found: dict[fx.Node, None] = {}
+    for waits in waits_of(collective):
+        for wait in waits:
+            found.update(dict.fromkeys(descendants(wait)))
+    position = graph_order(collective.graph)
     return sorted(found, key=position.__getitem__)
 
 

@@ -29,6 +29,8 @@ copy or collective, as in a plain model's graph.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -60,7 +62,8 @@ def lower_reduce_grad(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         else:
             backend = bucket.nodes[-1].meta.get("group_backend")
             _lower_bucket(gm.graph, make, bucket,
-                          all_to_all=use_all_to_all(plan.reduce_scatter_via, backend))
+                          all_to_all=use_all_to_all(plan.reduce_scatter_via, backend),
+                          coalesced=plan.reduce_scatter_via == "coalesced")
     return gm
 
 
@@ -106,7 +109,8 @@ def _check_users_after(graph: fx.Graph, bucket: Bucket, anchor: fx.Node) -> None
                 )
 
 
-def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: bool) -> None:
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: bool,
+                  coalesced: bool) -> None:
     anchor = bucket.nodes[-1]
     _check_users_after(graph, bucket, anchor)
     first = marker_args(bucket.nodes[0])
@@ -122,51 +126,94 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, all_to_all: 
                 grad = make(aten.add.Tensor, grad, args.pending_full)
             dense = grad.meta["val"].is_contiguous()
             columns.append(rank_major(make, grad, layouts[-1], contiguous=dense))
-        matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
-        flat = make(aten.view.default, matrix, [-1])
-        kind = "all_to_all" if all_to_all else "reduce_scatter"
-        reduced = _reduce(make, kind, flat, world, group)
-        reduced.meta["graphshard"] = {
-            "kind": "reduce_grad",
-            "bucket": bucket.index,
-            "params": bucket.names,
-        }
-        if all_to_all:
-            reduced.meta["graphshard"]["group_size"] = world
-        result = make(c10d.wait_tensor.default, reduced)
-        if all_to_all:  # every rank's copy of this rank's pieces, summed in rank order
-            op, _ = reduce_op(flat.meta["val"].dtype, world)
-            result = sum_received(make, result, world, average=op == "avg")
-        pending = [marker_args(n).pending_partial for n in bucket.nodes]
-        if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
-            result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
-        if first.all_reduce and first.replica_size > 1:
-            across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
-            across.meta["graphshard"] = {
-                "kind": "replica_reduce",
-                "bucket": bucket.index,
-                "group_size": first.replica_size,
-            }
-            result = make(c10d.wait_tensor.default, across)
-        if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
-            result = make(prims.convert_element_type.default, result, first.out_dtype)
-        if first.out_device:  # CPU offload: one copy of the bucket's gradients to the host
-            result = copy_to_host(make, result, bucket.index)
-        shards, offset = [], 0
-        total = sum(layout.piece_numel for layout in layouts)
-        for node, layout in zip(bucket.nodes, layouts, strict=True):
-            numel = layout.piece_numel
-            piece = result
-            if numel != total:
-                piece = make(aten.slice.Tensor, result, 0, offset, offset + numel)
-            if first.all_reduce:  # final: this rank's rows of the parameter
-                shard = local_from_reduced(make, piece, layout, marker_args(node).local_rows)
-            else:  # a partial accumulates as the padded piece
-                shard = make(aten.view.default, piece, list(layout.piece_shape))
-            shards.append(shard)
-            offset += numel
+        if coalesced and _coalescable(bucket, columns):
+            shards = _reduce_coalesced(make, bucket, columns, layouts, world, group)
+        else:
+            shards = _reduce_flat(make, bucket, columns, layouts, world, group, all_to_all)
     for node, shard in zip(list(bucket.nodes), shards, strict=True):
         replace_and_erase(node, shard)
+
+
+def _coalescable(bucket: Bucket, columns: list[fx.Node]) -> bool:
+    """A bucket of several final gradients whose reduced pieces go straight to the shards:
+    nothing held back is added, no replica all-reduce, no cast back, no host copy."""
+    first = marker_args(bucket.nodes[0])
+    dtype = columns[0].meta["val"].dtype
+    return (len(bucket.nodes) > 1 and first.all_reduce and first.replica_size <= 1
+            and not first.out_device
+            and (first.out_dtype is None or first.out_dtype == dtype)
+            and all(marker_args(n).pending_partial is None for n in bucket.nodes))
+
+
+def _reduce_coalesced(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
+                      layouts: list[Dim0Layout], world: int, group: str) -> list[fx.Node]:
+    """One coalesced reduce-scatter of each gradient's rank-major layout; each output is
+    this rank's padded piece of one parameter, cut to its rows."""
+    op, factor = reduce_op(columns[0].meta["val"].dtype, world)
+    inputs = []
+    for column in columns:
+        flat = make(aten.view.default, column, [-1])
+        inputs.append(flat if factor == 1.0 else make(aten.mul.Tensor, flat, factor))
+    reduced = make(c10d.reduce_scatter_tensor_coalesced.default, inputs, op, world, group)
+    reduced.meta["graphshard"] = {"kind": "reduce_grad", "bucket": bucket.index,
+                                  "params": bucket.names}
+    return [
+        local_from_reduced(make, make(c10d.wait_tensor.default, make(operator.getitem, reduced, i)),
+                           layout, marker_args(node).local_rows)
+        for i, (node, layout) in enumerate(zip(bucket.nodes, layouts, strict=True))
+    ]
+
+
+def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
+                 layouts: list[Dim0Layout], world: int, group: str,
+                 all_to_all: bool) -> list[fx.Node]:
+    """The bucket's gradients concatenated into one flat buffer, reduced by one collective
+    (then across replicas, cast back, copied to the host where asked) and cut into shards."""
+    first = marker_args(bucket.nodes[0])
+    matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
+    flat = make(aten.view.default, matrix, [-1])
+    kind = "all_to_all" if all_to_all else "reduce_scatter"
+    reduced = _reduce(make, kind, flat, world, group)
+    reduced.meta["graphshard"] = {
+        "kind": "reduce_grad",
+        "bucket": bucket.index,
+        "params": bucket.names,
+    }
+    if all_to_all:
+        reduced.meta["graphshard"]["group_size"] = world
+    result = make(c10d.wait_tensor.default, reduced)
+    if all_to_all:  # every rank's copy of this rank's pieces, summed in rank order
+        op, _ = reduce_op(flat.meta["val"].dtype, world)
+        result = sum_received(make, result, world, average=op == "avg")
+    pending = [marker_args(n).pending_partial for n in bucket.nodes]
+    if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
+        result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
+    if first.all_reduce and first.replica_size > 1:
+        across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
+        across.meta["graphshard"] = {
+            "kind": "replica_reduce",
+            "bucket": bucket.index,
+            "group_size": first.replica_size,
+        }
+        result = make(c10d.wait_tensor.default, across)
+    if first.out_dtype is not None and first.out_dtype != result.meta["val"].dtype:
+        result = make(prims.convert_element_type.default, result, first.out_dtype)
+    if first.out_device:  # CPU offload: one copy of the bucket's gradients to the host
+        result = copy_to_host(make, result, bucket.index)
+    shards, offset = [], 0
+    total = sum(layout.piece_numel for layout in layouts)
+    for node, layout in zip(bucket.nodes, layouts, strict=True):
+        numel = layout.piece_numel
+        piece = result
+        if numel != total:
+            piece = make(aten.slice.Tensor, result, 0, offset, offset + numel)
+        if first.all_reduce:  # final: this rank's rows of the parameter
+            shard = local_from_reduced(make, piece, layout, marker_args(node).local_rows)
+        else:  # a partial accumulates as the padded piece
+            shard = make(aten.view.default, piece, list(layout.piece_shape))
+        shards.append(shard)
+        offset += numel
+    return shards
 
 
 def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str) -> fx.Node:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from graphshard.passes.fx_util import collectives, descendants, move_before, wait_of
+from graphshard.passes.fx_util import collectives, completed, move_before
 from graphshard.passes.plan import Plan
 
 __all__ = ["overlap_reduce"]
@@ -25,8 +25,8 @@ def overlap_reduce(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     output = gm.graph.find_nodes(op="output")[0]
     for k, reduce in enumerate(reduces):
         anchor = reduces[k + 1] if k + 1 < len(reduces) else output
-        move_before(descendants(wait_of(reduce)), anchor)
+        move_before(completed(reduce), anchor)
     for k, across in enumerate(collectives(gm.graph, "replica_reduce")):
         anchor = reduces[k + 2] if k + 2 < len(reduces) else output
-        move_before(descendants(wait_of(across)), anchor)
+        move_before(completed(across), anchor)
     return gm

@@ -19,7 +19,7 @@ __all__ = [
 
 
 BUCKETING = ("block", "size", "auto")
-REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_to_all")
+REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_to_all", "coalesced")
 ALL_GATHER_VIA = ("flat", "coalesced")
 # Process-group backends whose reduce-scatter is an all-reduce of the whole input (gloo's).
 ALL_TO_ALL_BACKENDS = frozenset({"gloo"})
@@ -115,7 +115,13 @@ class Plan:
             whole buffer (gloo's is: it clones the input, all-reduces it and keeps one chunk).
             ``"auto"`` (default): ``"all_to_all"`` on gloo groups, the collective elsewhere
             (the backend reads each group's backend before the passes run; offline, with no
-            process group, it is the collective).
+            process group, it is the collective). ``"coalesced"``: one coalesced
+            reduce-scatter (``reduce_scatter_tensor_coalesced``) takes every gradient where
+            it lives (a contiguous gradient, rank-major already, is not copied; one that
+            needs padding is) and hands each parameter its own reduced shard, so neither the
+            copy into a flat buffer nor a cut out of it is made; a bucket that adds held-back
+            partials, all-reduces across replicas (HSDP), casts back or offloads its
+            gradients keeps the flat collective.
         all_gather_via: how a bucket of several parameters is gathered. ``"flat"``
             (default): its shards are copied into one buffer, gathered in one all-gather,
             and each parameter is copied out of the rank-major result. ``"coalesced"``: one

@@ -37,9 +37,9 @@ once, nothing at all when the buffer can be the one shard itself (same dtype, co
 nothing to pad); every cast is fused into the copy-in; padding writes its zeros once; each
 parameter of a multi-parameter bucket gathered over several ranks is materialised once (its
 real rows read and written by one interleave), any other parameter is a view of the
-gathered buffer. A coalesced all-gather (``all_gather_via="coalesced"``) takes one buffer
-per parameter, each its own minimum: nothing for a shard that goes in as it is, and no
-interleave (each output is one parameter).
+gathered buffer. A coalesced collective (``all_gather_via`` / ``reduce_scatter_via=
+"coalesced"``) takes one buffer per parameter, each its own minimum: nothing for a shard or
+gradient that goes in as it is, and no interleave (each output is one parameter).
 What the semantics ask beyond that (a cast at world 1, the cast of reduced
 gradients back, offload copies, held-back gradients added, the sum after an all-to-all
 reduce-scatter) counts at what it moves.
@@ -356,8 +356,8 @@ class _Account:
         if isinstance(world, (list, tuple)):  # an all-to-all reduce-scatter: its split sizes
             world = len(world)
         copied = 0
-        leaves_of = [self.leaves(buffer, members) for buffer in buffers]
-        for buffer, leaves in zip(buffers, leaves_of, strict=True):
+        for buffer in buffers:
+            leaves = self.leaves(buffer, members)
             whole = world == 1 or (
                 len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
                 and _val(leaves[0]).numel() == _val(buffer).numel()
@@ -371,7 +371,7 @@ class _Account:
                     if _val(leaf).dtype != _val(buffer).dtype)
         if copied:
             yield ("copy_in" if side == "unshard" else "grad_copy_in"), copied - pad
-        if side == "unshard" and world > 1 and not coalesced and len(leaves_of[0]) > 1:
+        if side == "unshard" and world > 1 and not coalesced and len(leaves) > 1:
             outputs = {n for n in nodes if n not in before and n is not collective
                        and any(u not in members for u in n.users)}
             yield "interleave", sum(2 * _bytes(n) for n in outputs

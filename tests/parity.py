@@ -140,8 +140,9 @@ VARIANTS: dict[str, dict] = {
     "auto_capped": {"bucketing": "auto", "prefetch_depth": 2, "max_unsharded_bytes": 200_000},
     # gloo's own reduce-scatter (an all-reduce in disguise) instead of the all-to-all
     "rs_collective": {"reduce_scatter_via": "reduce_scatter"},
-    # each bucket gathered by one coalesced all-gather: no copy into or out of a flat buffer
-    "coalesced": {"all_gather_via": "coalesced"},
+    # each bucket gathered and reduced by coalesced collectives: no copy into or out of a
+    # flat buffer
+    "coalesced": {"all_gather_via": "coalesced", "reduce_scatter_via": "coalesced"},
 }
 
 

@@ -43,12 +43,14 @@ def test_dump_traces_offline_and_writes_everything(tmp_path, monkeypatch, capsys
     # the same through coalesced collectives: the same buckets and bytes, no flat buffer
     coalesced = tmp_path / "coalesced"
     assert main(["dump", "my_models:build", "--world-size", "8", "--out", str(coalesced),
-                 "--all-gather-via", "coalesced"]) == 0
+                 "--all-gather-via", "coalesced", "--reduce-scatter-via", "coalesced"]) == 0
     (graph_dir,) = (coalesced / "rank0").iterdir()
     table = (graph_dir / "fw_schedule.txt").read_text()
     assert table.count("all_gather") == 3 and f"{(64 * 64 + 64) * 4:,}" in table
     assert (graph_dir / "fw_01_lower_unshard.txt").read_text().count(
         "ops._c10d_functional.all_gather_into_tensor_coalesced") == 3
+    assert "ops._c10d_functional.reduce_scatter_tensor_coalesced" in \
+        (graph_dir / "bw_03_lower_reduce_grad.txt").read_text()
 
 
 def test_load_factory_errors(tmp_path, monkeypatch):

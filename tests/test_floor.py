@@ -108,6 +108,30 @@ def test_a_coalesced_gather_copies_a_shard_only_where_it_must_be_padded():
     assert t.moved["padding"] == before.moved["padding"] > 0
 
 
+def test_a_coalesced_reduce_scatter_takes_each_gradient_where_it_lives():
+    """``reduce_scatter_via="coalesced"``: a bucket of contiguous gradients is one coalesced
+    reduce-scatter of the gradients themselves (their rank-major layout is a view), each
+    output this rank's shard: no copy into or out of a buffer. A bucket whose reduced
+    gradients are cast back (bf16 reduction of fp32 shards) keeps the flat collective."""
+    flat = _stages(BlockStack(2), 2)["bw"]
+    bw = _stages(BlockStack(2), 2, {"reduce_scatter_via": "coalesced"})["bw"]
+    coalesced = calls(bw, c10d.reduce_scatter_tensor_coalesced.default)
+    assert len(coalesced) == len(calls(flat, RS)) == 2 and calls(bw, RS) == []
+    for reduce in coalesced:
+        for piece in reduce.args[0]:
+            assert LOWERED not in _through_views(piece).meta  # the model's own gradient
+    t, before = traffic(bw), traffic(flat)
+    assert t.moved["grad_copy_in"] == t.minimum["grad_copy_in"] == 0 < before.moved["grad_copy_in"]
+    cast_back = graphshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    with fake_process_group(2):
+        backend = graphshard.backend(inductor=False, reduce_scatter_via="coalesced")
+        model = graphshard.shard(BlockStack(2), mixed_precision=cast_back)
+        torch.compile(model, backend=backend)(torch.randn(4, 8)).float().sum().backward()
+        mixed = backend.graphs[-1]["bw"]
+    assert calls(mixed, c10d.reduce_scatter_tensor_coalesced.default) == []
+    assert len(calls(mixed, RS)) == 2
+
+
 def _rank_major_ops(shape, world: int, strided: bool, contiguous: bool) -> list:
     graph = fx.Graph()
     grad = graph.placeholder("grad")

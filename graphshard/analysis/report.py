@@ -35,7 +35,7 @@ def bucket_rows(gm: fx.GraphModule, profile: HardwareProfile) -> list[dict]:
         if any("val" not in i.meta for i in inputs):
             continue
         # a coalesced all-gather's value is its list of parameters
-        full = node.meta["val"] if tag["kind"] == "unshard" else node.args[0].meta["val"]
+        full = node.meta["val"] if tag["kind"] == "unshard" else [i.meta["val"] for i in inputs]
         kind = collective_kind(node)
         world = tag.get("group_size") if kind in ("all_reduce", "all_to_all") else node.args[-2]
         rows.append(

@@ -56,9 +56,9 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="gather a bucket through one flat buffer, or by one coalesced "
                         "all-gather of its shards as they are (no copy in or out)")
     parser.add_argument("--reduce-scatter-via",
-                        choices=["auto", "reduce_scatter", "all_to_all"],
+                        choices=["auto", "reduce_scatter", "all_to_all", "coalesced"],
                         default="auto", help="how a bucket's gradients are reduce-scattered "
-                        "(auto: an all-to-all on gloo, the collective elsewhere)")
+                        "(coalesced: each gradient where it lives, no copy into a buffer)")
     parser.add_argument("--profile", default="cpu-gloo",
                         help="hardware profile: h100-nvlink, h100-infiniband, cpu-gloo, or a "
                         "calibrated one")

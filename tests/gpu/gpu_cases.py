@@ -124,11 +124,13 @@ def case_step_prefetch(world: World) -> None:
 
 
 def case_coalesced(world: World, precision: str) -> None:
-    """Backend option ``all_gather_via="coalesced"``: every bucket gathered by one coalesced
-    all-gather (one NCCL group), the parameters views of its outputs."""
+    """Backend options ``all_gather_via="coalesced"`` and ``reduce_scatter_via="coalesced"``:
+    every bucket gathered and reduced by coalesced collectives (one NCCL group each), the
+    parameters views of the gathered outputs and the shards' gradients of the reduced ones."""
     job = llama_job()
     out = train(world, shard_job(world, job, precision), job, "compiled",
-                backend_options={"all_gather_via": "coalesced"})
+                backend_options={"all_gather_via": "coalesced",
+                                 "reduce_scatter_via": "coalesced"})
     ref = reference(job, world.device, precision=precision, shapes=out.local_shapes)
     check(out, ref, precision, _what(world, "compiled", "coalesced", precision))
 
