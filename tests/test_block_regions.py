@@ -261,15 +261,18 @@ def _inputs_a_body_overwrites(code: str) -> list[str]:
     return found
 
 
-def test_a_region_backward_writes_into_none_of_its_inputs(fake2):
+@pytest.mark.parametrize("backend", ["graphshard", "plain inductor"])
+def test_a_region_backward_writes_into_none_of_its_inputs(fake2, backend):
     """torch's lowering of a region body applies the step backward's donated-input positions
     to the body's own inputs (pytorch/pytorch#192840): a body put its result in the buffer of
     an input the step still held, and with a coalesced reduce-scatter the first block's
-    gradients came out wrong. graphshard lowers region bodies without donation, under cache
-    keys of their own (a body compiled with donation is never loaded)."""
+    gradients came out wrong. graphshard lowers region bodies without donation (under cache
+    keys of its own: a body compiled with donation is never loaded), and so does plain
+    Inductor (``torch.compile(model)``) once graphshard has made blocks into regions."""
     torch.manual_seed(0)
     model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=False)))
-    compiled = torch.compile(model, backend=graphshard.backend())
+    compiled = torch.compile(model, **({"backend": graphshard.backend()}
+                                       if backend == "graphshard" else {}))
 
     def step():
         tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))

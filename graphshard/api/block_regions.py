@@ -39,6 +39,7 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.compiler.region_donation import regions_donate_no_inputs_in_this_process
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
 
@@ -285,6 +286,7 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
     if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
         return []
     _graph_breaks_fall_back()
+    regions_donate_no_inputs_in_this_process()  # whichever backend compiles the regions
     _REGION[:] = [_region()]
     served = []
     for block in blocks:

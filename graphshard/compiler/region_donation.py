@@ -15,7 +15,11 @@ first block's and the embedding's gradients came out wrong.
 While graphshard's backend runs Inductor, :func:`regions_donate_no_inputs` makes region
 bodies donate nothing, as the upstream fix does (the step graph keeps its donations). It
 also tags Inductor's FX-graph cache keys: they do not cover donation, so without the tag a
-body compiled before the fix would still be loaded from the cache.
+body compiled before the fix would still be loaded from the cache. A model whose blocks
+graphshard made into regions may also be compiled with plain Inductor
+(``torch.compile(model)``); :func:`regions_donate_no_inputs_in_this_process`, called where
+the regions are installed, lowers every region body of the process that way (without the
+cache tag, which would change the keys of everything else the process compiles).
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CACHE_TAG", "regions_donate_no_inputs"]
+__all__ = ["CACHE_TAG", "regions_donate_no_inputs", "regions_donate_no_inputs_in_this_process"]
 
 # Added to torch.compiler.config.cache_key_tag while graphshard compiles: entries compiled
 # with region bodies that donate are never hits.
 CACHE_TAG = "graphshard:regions-donate-no-inputs"
 
 _lock = threading.Lock()
-_depth = 0
+_depth = 0  # holders of the patch: open contexts, plus one for the whole process once set
+_process_wide = False
 _original_init: Any = None
 
 
@@ -46,6 +51,7 @@ def _install() -> None:
         original(self, parent, *args, **kwargs)
         self.bw_donated_idxs = None  # the step's positions mean nothing among the body's
 
+    init.donates_no_inputs = True  # type: ignore[attr-defined]  (what tests look for)
     SubgraphLowering.__init__ = init
 
 
@@ -53,6 +59,20 @@ def _uninstall() -> None:
     from torch._inductor.graph import SubgraphLowering
 
     SubgraphLowering.__init__ = _original_init
+
+
+def regions_donate_no_inputs_in_this_process() -> None:
+    """From now on, every Inductor compile of this process lowers region bodies without
+    donated inputs (the upstream fix, strictly more conservative than torch's lowering).
+    Idempotent; :func:`regions_donate_no_inputs` nests inside it."""
+    global _depth, _process_wide
+    with _lock:
+        if _process_wide:
+            return
+        if _depth == 0:
+            _install()
+        _depth += 1
+        _process_wide = True
 
 
 @contextlib.contextmanager
