@@ -173,26 +173,29 @@ def ancestors_after(node: fx.Node, position: dict[fx.Node, int], start: int) -> 
 
 def descendants(node: fx.Node) -> list[fx.Node]:
     """``node`` and every node that depends on it, in graph order (the output node excluded)."""
+    return _downstream([node])
+
+
+def completed(collective: fx.Node) -> list[fx.Node]:
+    """The waits of ``collective`` (one per output) and every node that depends on them, in
+    graph order: what may run only once the collective has finished."""
+    return _downstream([wait for waits in waits_of(collective) for wait in waits])
+
+
+def _downstream(starts: list[fx.Node]) -> list[fx.Node]:
+    """``starts`` and every node that depends on one of them, in graph order (the output
+    node excluded)."""
+    if not starts:
+        return []
     found: set[fx.Node] = set()
-    stack = [node]
+    stack = list(starts)
     while stack:
         current = stack.pop()
         if current in found or current.op == "output":
             continue
         found.add(current)
         stack.extend(current.users)
-    position = graph_order(node.graph)
-    return sorted(found, key=position.__getitem__)
-
-
-def completed(collective: fx.Node) -> list[fx.Node]:
-    """The waits of ``collective`` (one per output) and every node that depends on them, in
-    graph order: what may run only once the collective has finished."""
-    found: dict[fx.Node, None] = {}
-    for waits in waits_of(collective):
-        for wait in waits:
-            found.update(dict.fromkeys(descendants(wait)))
-    position = graph_order(collective.graph)
+    position = graph_order(starts[0].graph)
     return sorted(found, key=position.__getitem__)
 
 

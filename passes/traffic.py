@@ -356,8 +356,8 @@ class _Account:
         if isinstance(world, (list, tuple)):  # an all-to-all reduce-scatter: its split sizes
             world = len(world)
         copied = 0
-        for buffer in buffers:
-            leaves = self.leaves(buffer, members)
+        leaves_of = [self.leaves(buffer, members) for buffer in buffers]
+        for buffer, leaves in zip(buffers, leaves_of, strict=True):
             whole = world == 1 or (
                 len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
                 and _val(leaves[0]).numel() == _val(buffer).numel()
@@ -371,7 +371,7 @@ class _Account:
                     if _val(leaf).dtype != _val(buffer).dtype)
         if copied:
             yield ("copy_in" if side == "unshard" else "grad_copy_in"), copied - pad
-        if side == "unshard" and world > 1 and not coalesced and len(leaves) > 1:
+        if side == "unshard" and world > 1 and not coalesced and len(leaves_of[0]) > 1:
             outputs = {n for n in nodes if n not in before and n is not collective
                        and any(u not in members for u in n.users)}
             yield "interleave", sum(2 * _bytes(n) for n in outputs
