@@ -22,6 +22,12 @@ buffer (after the replica all-reduce and the cast back) is copied there in one b
 shards' gradients are views of the host copy. It depends on the wait, so
 ``overlap_reduce`` moves it with the wait.
 
+With ``Plan.reduce_scatter_via == "coalesced"`` a bucket of several final gradients (nothing
+held back to add, no replicas, no cast back, no host copy: those steps read the flat buffer)
+is reduced by one ``reduce_scatter_tensor_coalesced`` of each gradient's rank-major layout,
+taken where the gradient lives, each output one parameter's padded piece: no copy into a
+buffer.
+
 At world 1 without replicas there is nothing to reduce: each gradient is handed straight to
 its shard (after the casts and held-back additions its marker asks for), with no buffer,
 copy or collective, as in a plain model's graph.
