@@ -115,7 +115,7 @@ CASES: dict[str, Case] = {
     "llama_tied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=True)), _tokens),
     "llama_untied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)), _tokens),
     # the loss against labels: with region bodies that donate their inputs (torch's bug:
-    # graphshard/compiler/region_donation.py), flat gathers and coalesced reduce-scatters
+    # graphshard/safety/region_donation.py), flat gathers and coalesced reduce-scatters
     # gave the first block wrong gradients here
     "llama_untied_labels": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)),
                                 _tokens_and_labels),

@@ -16,7 +16,7 @@ WORLD3_JOBS = [(case, mode) for case in ("mlp_odd", "odd_params") for mode in MO
 COALESCED_JOBS = {2: ("llama_untied", "compiled", "coalesced"),
                   3: ("odd_params", "compiled", "coalesced")}
 # Flat gathers and coalesced reduce-scatters, the loss against labels: while torch's region
-# bodies donated their inputs (graphshard/compiler/region_donation.py), the step reused the
+# bodies donated their inputs (graphshard/safety/region_donation.py), the step reused the
 # incoming gradient's buffer for the first block's gathered parameters here, and the first
 # block's and the embedding's gradients came out wrong. Compared with the flat run too.
 DONATION_JOB = ("llama_untied_labels", "compiled", "coalesced_rs")

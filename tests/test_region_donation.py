@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch.compiler.config as compiler_config
 from torch._inductor.graph import SubgraphLowering
 
-from graphshard.compiler import region_donation
-from graphshard.compiler.region_donation import CACHE_TAG, regions_donate_no_inputs
+from graphshard.safety import region_donation
+from graphshard.safety.region_donation import CACHE_TAG, regions_donate_no_inputs
 
 
 def _patched() -> bool:

@@ -39,9 +39,9 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.forward_methods import mark_forward_hook
-from graphshard.compiler.region_donation import regions_donate_no_inputs_in_this_process
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
+from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
 
 __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
            "install_block_regions", "region_forward", "unchecked_side_effect"]

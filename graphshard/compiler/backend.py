@@ -35,7 +35,6 @@ from graphshard.compiler.cache_key import (
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.pipeline import record_group_facts, run_passes
-from graphshard.compiler.region_donation import regions_donate_no_inputs
 from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
@@ -49,6 +48,7 @@ from graphshard.passes.reshard import plan_after_joint
 from graphshard.safety.fingerprint import check_compile_plan
 from graphshard.safety.guards import refuse_unsharded_parameters
 from graphshard.safety.mutation import refuse_gathered_parameter_mutation
+from graphshard.safety.region_donation import regions_donate_no_inputs
 
 __all__ = ["backend", "GraphshardBackend"]
 
