@@ -262,13 +262,21 @@ def _inputs_a_body_overwrites(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["graphshard", "plain inductor"])
-def test_a_region_backward_writes_into_none_of_its_inputs(fake2, backend):
+def test_a_region_backward_writes_into_none_of_its_inputs(fake2, backend, monkeypatch):
     """torch's lowering of a region body applies the step backward's donated-input positions
     to the body's own inputs (pytorch/pytorch#192840): a body put its result in the buffer of
     an input the step still held, and with a coalesced reduce-scatter the first block's
     gradients came out wrong. graphshard lowers region bodies without donation (under cache
     keys of its own: a body compiled with donation is never loaded), and so does plain
     Inductor (``torch.compile(model)``) once graphshard has made blocks into regions."""
+    from torch._inductor.graph import SubgraphLowering
+
+    from graphshard.safety import region_donation
+
+    # torch's own lowering, as before anything of graphshard ran in this process
+    monkeypatch.setattr(region_donation, "_applied", False)
+    monkeypatch.setattr(SubgraphLowering, "__init__", getattr(
+        SubgraphLowering.__init__, "torch_init", SubgraphLowering.__init__))
     torch.manual_seed(0)
     model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=False)))
     compiled = torch.compile(model, **({"backend": graphshard.backend()}

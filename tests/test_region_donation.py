@@ -1,6 +1,6 @@
-"""``regions_donate_no_inputs``: what it changes while graphshard runs Inductor, and that it
-gives everything back; the process-wide form that installing block regions applies (the
-generated code is checked in ``test_block_regions.py``)."""
+"""``graphshard.safety.region_donation``: the cache tag within graphshard's compiles, and the
+process-wide patch of torch's region lowering (the generated code is checked in
+``test_block_regions.py``, the numerics in ``test_parity.py``)."""
 
 from __future__ import annotations
 
@@ -11,40 +11,29 @@ from graphshard.safety import region_donation
 from graphshard.safety.region_donation import CACHE_TAG, regions_donate_no_inputs
 
 
-def _patched() -> bool:
-    return getattr(SubgraphLowering.__init__, "donates_no_inputs", False)
-
-
-def test_it_nests_keeps_the_users_tag_and_restores_what_was_there(monkeypatch):
-    # as in a process where no block regions were installed (they patch for good)
-    monkeypatch.setattr(region_donation, "_process_wide", False)
-    monkeypatch.setattr(region_donation, "_depth", 0)
-    monkeypatch.setattr(region_donation, "_original_init", region_donation._original_init)
-    monkeypatch.setattr(SubgraphLowering, "__init__", SubgraphLowering.__init__)
-    before = SubgraphLowering.__init__
+def test_the_tag_nests_keeps_the_users_and_goes_away():
     with compiler_config.patch(cache_key_tag="users-tag"):
         with regions_donate_no_inputs():
-            assert _patched()
             assert compiler_config.cache_key_tag == f"users-tag|{CACHE_TAG}"
             with regions_donate_no_inputs():
                 assert compiler_config.cache_key_tag == f"users-tag|{CACHE_TAG}"
-            assert _patched()  # the outer one still holds
+            assert compiler_config.cache_key_tag == f"users-tag|{CACHE_TAG}"
         assert compiler_config.cache_key_tag == "users-tag"
-    assert SubgraphLowering.__init__ is before
     with regions_donate_no_inputs():
         assert compiler_config.cache_key_tag == CACHE_TAG
 
 
-def test_the_process_wide_form_outlives_a_context(monkeypatch):
-    monkeypatch.setattr(region_donation, "_process_wide", False)
-    monkeypatch.setattr(region_donation, "_depth", 0)
-    monkeypatch.setattr(region_donation, "_original_init", region_donation._original_init)
+def test_the_lowering_is_patched_once_and_for_good(monkeypatch):
+    monkeypatch.setattr(region_donation, "_applied", False)
     monkeypatch.setattr(SubgraphLowering, "__init__", SubgraphLowering.__init__)
-    if _patched():  # an earlier test installed block regions: start from torch's own
-        monkeypatch.setattr(SubgraphLowering, "__init__", region_donation._original_init)
-    assert not _patched()
+    if hasattr(SubgraphLowering.__init__, "torch_init"):
+        # an earlier test installed block regions: start again from torch's own lowering
+        monkeypatch.setattr(SubgraphLowering, "__init__", SubgraphLowering.__init__.torch_init)
+    torchs_own = SubgraphLowering.__init__
     region_donation.regions_donate_no_inputs_in_this_process()
+    patched = SubgraphLowering.__init__
+    assert patched.torch_init is torchs_own
     region_donation.regions_donate_no_inputs_in_this_process()  # idempotent
     with regions_donate_no_inputs():
-        assert _patched()
-    assert _patched() and region_donation._depth == 1
+        assert SubgraphLowering.__init__ is patched
+    assert SubgraphLowering.__init__ is patched  # for good

@@ -12,14 +12,15 @@ second block's backward returned the incoming gradient's buffer as the gradient 
 input, the step reused that same buffer for the first block's gathered parameters, and the
 first block's and the embedding's gradients came out wrong.
 
-While graphshard's backend runs Inductor, :func:`regions_donate_no_inputs` makes region
-bodies donate nothing, as the upstream fix does (the step graph keeps its donations). It
-also tags Inductor's FX-graph cache keys: they do not cover donation, so without the tag a
-body compiled before the fix would still be loaded from the cache. A model whose blocks
-graphshard made into regions may also be compiled with plain Inductor
-(``torch.compile(model)``); :func:`regions_donate_no_inputs_in_this_process`, called where
-the regions are installed, lowers every region body of the process that way (without the
-cache tag, which would change the keys of everything else the process compiles).
+The workaround does what the upstream fix does: region bodies donate nothing (the step
+graph keeps its donations). :func:`regions_donate_no_inputs_in_this_process` applies it to
+every Inductor compile of the process, once: where ``shard()`` installs the block regions
+(a model with regions may also be compiled by plain Inductor, ``torch.compile(model)``) and
+whenever graphshard's backend compiles. Within graphshard's compiles,
+:func:`regions_donate_no_inputs` also tags Inductor's FX-graph cache keys: they do not
+cover donation, so without the tag a body compiled before the workaround would still be
+loaded from the cache. (Plain Inductor's keys are left alone: a tag there would change the
+keys of everything else the process compiles.)
 """
 
 from __future__ import annotations
@@ -36,64 +37,40 @@ __all__ = ["CACHE_TAG", "regions_donate_no_inputs", "regions_donate_no_inputs_in
 CACHE_TAG = "graphshard:regions-donate-no-inputs"
 
 _lock = threading.Lock()
-_depth = 0  # holders of the patch: open contexts, plus one for the whole process once set
-_process_wide = False
-_original_init: Any = None
-
-
-def _install() -> None:
-    global _original_init
-    from torch._inductor.graph import SubgraphLowering
-
-    _original_init = original = SubgraphLowering.__init__
-
-    def init(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, parent, *args, **kwargs)
-        self.bw_donated_idxs = None  # the step's positions mean nothing among the body's
-
-    init.donates_no_inputs = True  # type: ignore[attr-defined]  (what tests look for)
-    SubgraphLowering.__init__ = init
-
-
-def _uninstall() -> None:
-    from torch._inductor.graph import SubgraphLowering
-
-    SubgraphLowering.__init__ = _original_init
+_applied = False
 
 
 def regions_donate_no_inputs_in_this_process() -> None:
     """From now on, every Inductor compile of this process lowers region bodies without
     donated inputs (the upstream fix, strictly more conservative than torch's lowering).
-    Idempotent; :func:`regions_donate_no_inputs` nests inside it."""
-    global _depth, _process_wide
+    Idempotent."""
+    global _applied
     with _lock:
-        if _process_wide:
+        if _applied:
             return
-        if _depth == 0:
-            _install()
-        _depth += 1
-        _process_wide = True
+        from torch._inductor.graph import SubgraphLowering
+
+        original = SubgraphLowering.__init__
+
+        def init(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, parent, *args, **kwargs)
+            self.bw_donated_idxs = None  # the step's positions mean nothing among the body's
+
+        init.torch_init = original  # type: ignore[attr-defined]  (what tests look for)
+        SubgraphLowering.__init__ = init
+        _applied = True
 
 
 @contextlib.contextmanager
 def regions_donate_no_inputs() -> Iterator[None]:
-    """Within: Inductor lowers region bodies without donated inputs, under FX-graph cache
-    keys tagged with :data:`CACHE_TAG`. Nests, and holds across threads."""
+    """Region bodies lowered without donated inputs (for good:
+    :func:`regions_donate_no_inputs_in_this_process`) and, within, Inductor's FX-graph cache
+    keys tagged with :data:`CACHE_TAG`."""
     import torch.compiler.config as compiler_config
 
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _install()
-        _depth += 1
+    regions_donate_no_inputs_in_this_process()
     tag = compiler_config.cache_key_tag
     if CACHE_TAG not in tag:
         tag = f"{tag}|{CACHE_TAG}" if tag else CACHE_TAG
-    try:
-        with compiler_config.patch(cache_key_tag=tag):
-            yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _uninstall()
+    with compiler_config.patch(cache_key_tag=tag):
+        yield
