@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -198,6 +199,56 @@ def test_the_rank_beside_the_publisher_hits_its_cache_without_loading(tmp_path, 
     assert counters["inductor"]["fxgraph_cache_miss"] - misses == 1  # the publisher's compile
     assert counters["inductor"]["fxgraph_cache_hit"] - hits == 1  # the second rank's
     assert torch.equal(outs[0], outs[1])
+
+
+def test_each_payload_holds_its_own_graph_and_the_users_record_keeps_all(tmp_path,
+                                                                          monkeypatch):
+    """``share_compiled=True``, real Inductor: each published payload holds the artifacts of
+    its own graph only (``save_cache_artifacts`` is cumulative: the second graph's payload
+    would carry the first graph again, O(graphs^2) bytes for a job), and the process's own
+    record, which a user's ``save_cache_artifacts`` serialises, still holds every graph
+    (publishing with the process's record moved its artifacts into segments that torch's
+    loader then drops: a user's mega-cache lost all but the last graph)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.compiler import _cache as cache_mod
+    from torch.compiler._cache import CacheArtifactManager
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(share_mod, "cache_dir_identity", lambda: None)
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+
+    def inductor_keys(payload: bytes) -> set[str]:
+        """Every Inductor entry the bytes hold (segment by segment: torch's own
+        ``deserialize`` keeps only the last segment of each kind)."""
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        segments = AppendingByteSerializer.to_list(
+            payload, deserialize_fn=cache_mod._deserialize_single_cache)
+        return {artifact.key for kind, artifacts in segments if kind == "inductor"
+                for artifact in artifacts}
+
+    def compile_on(share: CompileShare, fn: Any) -> torch.Tensor:
+        def backend(gm, inputs):
+            return share.compile(gm, inputs, lambda: compile_fx(gm, inputs))
+
+        return torch.compile(fn, backend=backend)(torch.randn(8))
+
+    functions = [lambda t: (t.sin() * 3).cos().sum(), lambda t: (t.exp() + 1).relu().sum()]
+    torch._dynamo.reset()
+    with CacheArtifactManager.with_fresh_cache():  # what the user's process records
+        publisher, loader = _pair()
+        for fn in functions:
+            compile_on(publisher, fn)
+        users = torch.compiler.save_cache_artifacts()
+        torch._dynamo.reset()
+        for fn in functions:
+            compile_on(loader, fn)
+    torch._dynamo.reset()
+    assert (publisher.stats.published, loader.stats.loaded) == (2, 2)
+    first, second = (inductor_keys(payload) for payload in loaded)  # what the loader got
+    assert len(first) == len(second) == 1 and first != second
+    assert first | second <= inductor_keys(users[0])
 
 
 def test_options_are_checked():

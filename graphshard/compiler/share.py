@@ -32,9 +32,10 @@ very directory, so the waiting rank only waits for the commit and then compiles,
 Inductor's cache there. The publisher publishes, next to the payload, the identity of its
 cache directory (the kernel's boot id, the directory's device and inode); a rank whose own
 directory has the same identity skips ``load_cache_artifacts``. Loading there would only
-rewrite (atomically, but needlessly) every entry of the payload, which holds every artifact
-the publishing process recorded so far (``save_cache_artifacts`` is cumulative), into the
-directory the ranks are compiling and loading kernels from at the same time.
+rewrite (atomically, but needlessly) every entry of the payload into the directory the
+ranks are compiling and loading kernels from at the same time. A payload holds the artifacts
+of its own graph only (:func:`compile_saving_its_artifacts`): ``save_cache_artifacts`` alone
+is cumulative, and would send every earlier graph again with each new one.
 
 What is shared is Inductor's FX-graph cache entries (with GPU Triton kernels bundled into
 them, Inductor's ``bundle_triton_into_fx_graph_cache``). On the CPU the C++ kernels are not in
@@ -78,8 +79,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-__all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "graph_digest",
-           "share_from_default_group", "encode", "decode"]
+__all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "compile_saving_its_artifacts",
+           "graph_digest", "share_from_default_group", "encode", "decode"]
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +282,7 @@ class CompileShare:
 
     def _publish(self, digest: str, compile_fn: Callable[[], Any]) -> Any:
         try:
-            compiled = compile_fn()
-            saved = torch.compiler.save_cache_artifacts()
+            compiled, saved = compile_saving_its_artifacts(compile_fn)
         except BaseException:
             self.store.set(self._key(digest, "failed"), b"1")
             raise
@@ -326,6 +326,39 @@ class CompileShare:
         except Exception as exc:  # a payload from another torch build, a full disk
             return f"loading the artifacts failed: {exc!r}"
         return None
+
+
+def compile_saving_its_artifacts(compile_fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``compile_fn()`` and ``torch.compiler.save_cache_artifacts()`` of what that compile
+    alone recorded.
+
+    Why: ``save_cache_artifacts`` is cumulative, its bytes hold every artifact the process
+    recorded since it started, one segment per earlier call. Publishing each graph with it
+    sent every earlier graph again (O(G^2) bytes through the store for a job of G graphs).
+    It also spent the process's record: torch's loader keeps only the last segment of each
+    kind, so a user's own ``save_cache_artifacts`` at the end of the job (a "mega-cache" for
+    the next launch) loaded back only the last graph graphshard had published. Here the
+    compile records into a fresh list (torch's ``CacheArtifactManager.with_fresh_cache``),
+    which alone is serialised; its artifacts then join the process's own record, not yet
+    serialised there. Where torch has no fresh-list switch, the cumulative save is kept."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager as manager
+    except ImportError:  # pragma: no cover - a torch without the artifact manager
+        manager = None
+    if manager is None or not hasattr(manager, "with_fresh_cache"):
+        compiled = compile_fn()
+        return compiled, torch.compiler.save_cache_artifacts()
+    with manager.with_fresh_cache():
+        compiled = compile_fn()
+        recorded = [(kind, list(artifacts))
+                    for kind, artifacts in manager._new_cache_artifacts.items()]
+        saved = torch.compiler.save_cache_artifacts()
+    for kind, artifacts in recorded:  # the process's own list keeps them too
+        for artifact in artifacts:
+            if artifact not in manager._seen_artifacts:
+                manager._new_cache_artifacts[kind].append(artifact)
+                manager._seen_artifacts.add(artifact)
+    return compiled, saved
 
 
 def share_from_default_group(timeout_s: float, transfer: bool = True) -> CompileShare | None:
