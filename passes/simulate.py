@@ -183,7 +183,9 @@ def peak_unsharded_bytes(graph: fx.Graph) -> int:
     """Most all-gathered bytes alive at one graph position.
 
     A gathered buffer is alive from its all-gather until the last use of anything derived
-    from it through the rebuild ops (wait, views, slices, clones).
+    from it through the rebuild ops (wait, views, slices, clones). A coalesced all-gather's
+    outputs are separate buffers: each lives until the last use of what is derived from it
+    alone, so a parameter read early in its bucket is not counted for the whole bucket.
     """
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
@@ -191,19 +193,43 @@ def peak_unsharded_bytes(graph: fx.Graph) -> int:
     for node in nodes:
         if collective_kind(node) != "all_gather":
             continue
-        derived, stack, last = {node}, [node], order[node]
-        while stack:
-            for user in stack.pop().users:
-                last = max(last, order[user])
-                if user.op == "call_function" and user.target in _REBUILD_OPS:
-                    if user not in derived:
-                        derived.add(user)
-                        stack.append(user)
-        size = tensor_bytes(node.meta.get("val"))
-        delta[order[node]] += size
-        delta[last + 1] -= size
+        for roots, size in _gathered_buffers(node):
+            delta[order[node]] += size
+            delta[_last_use(roots, order) + 1] -= size
     peak = live = 0
     for d in delta:
         live += d
         peak = max(peak, live)
     return peak
+
+
+def _gathered_buffers(gather: fx.Node) -> list[tuple[list[fx.Node], int]]:
+    """The buffers an all-gather fills, each as (the nodes its uses derive from, its bytes):
+    the gather itself, or for a coalesced one each output's ``getitem`` nodes. A coalesced
+    gather read other than by index counts whole from the gather, as do outputs nothing
+    reads."""
+    outputs = gather.meta.get("val")
+    if not isinstance(outputs, (list, tuple)):
+        return [([gather], tensor_bytes(outputs))]
+    readers: dict[int, list[fx.Node]] = {}
+    for user in gather.users:
+        if user.op != "call_function" or user.target is not operator.getitem:
+            return [([gather], tensor_bytes(outputs))]
+        readers.setdefault(user.args[1], []).append(user)
+    buffers = [(nodes, tensor_bytes(outputs[i])) for i, nodes in readers.items()]
+    unread = sum(tensor_bytes(value) for i, value in enumerate(outputs) if i not in readers)
+    return buffers + ([([gather], unread)] if unread else [])
+
+
+def _last_use(roots: list[fx.Node], order: dict[fx.Node, int]) -> int:
+    """The graph position of the last use of ``roots`` or of anything derived from them
+    through the rebuild ops."""
+    derived, stack = set(roots), list(roots)
+    last = max(order[root] for root in roots)
+    while stack:
+        for user in stack.pop().users:
+            last = max(last, order[user])
+            if user.op == "call_function" and user.target in _REBUILD_OPS and user not in derived:
+                derived.add(user)
+                stack.append(user)
+    return last

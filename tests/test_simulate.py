@@ -157,3 +157,17 @@ def test_peak_unsharded_gathers_that_do_not_overlap(group):
     gm = _trace(fn, (128,), (256,), (4, 16))
     # The first buffer's last use (the first matmul) comes before the second gather.
     assert simulate(gm, PROF).peak_unsharded_bytes == 2 * 256 * 4
+
+
+def test_peak_unsharded_frees_each_output_of_a_coalesced_gather_at_its_own_last_use(group):
+    def fn(x1, x2, x3, a):
+        w1, w2 = c10d.all_gather_into_tensor_coalesced([x1, x2], 2, group)
+        h = a @ c10d.wait_tensor(w1).view(16, 16)  # the last use of the first output
+        y3 = _gather(x3, group)  # issued while only the second output is still needed
+        h = h @ c10d.wait_tensor(w2).view(16, 32)
+        return h @ c10d.wait_tensor(y3).view(32, 32)
+
+    gm = _trace(fn, (128,), (256,), (512,), (4, 16))
+    # the second output and the third gather; counting the coalesced gather whole until its
+    # last output's last use would add the first output's 2 * 128 * 4 bytes
+    assert simulate(gm, PROF).peak_unsharded_bytes == 2 * 256 * 4 + 2 * 512 * 4
