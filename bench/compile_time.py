@@ -30,7 +30,8 @@ graphshard's backend uses by default on torch 2.13 and newer; the system
 ``graphshard-compiled[aot_cache=False]`` turns it off). ``--json`` writes every row, with the
 seconds of each compile phase torch records (``phases_s``: Dynamo's tracing, AOTAutograd's,
 Inductor's code generation, the C++ compiler, loading cached code) and graphshard's passes
-(``pass_s``).
+(``pass_s``); ``--phases N`` also prints the N phases with the most seconds, one column per
+measurement, to show where the time went (what grows with depth, what sets a system apart).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["measure", "main", "table"]
+__all__ = ["measure", "main", "phase_table", "table"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,6 +208,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[dict], top: int) -> str:
+    """A markdown table of where the first steps' seconds went: torch's compile phases
+    (``phases_s``; nested phases overlap, so a column does not sum to the step) and the C++
+    compiles, one column per row measured, the ``top`` phases with the most seconds in any
+    column, largest first. What grows with depth, or sets one system apart, shows as a
+    phase whose row grows from column to column."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        for phase, seconds in row.get("phases_s", {}).items():
+            totals[phase] = max(totals.get(phase, 0.0), seconds)
+    phases = sorted(totals, key=lambda phase: -totals[phase])[:top]
+    heads = [f"{row['system']} {row['layers']}L {row.get('cache', row.get('start', ''))}".strip()
+             for row in rows]
+    lines = ["| phase (s) | " + " | ".join(heads) + " |",
+             "|---|" + "---:|" * len(rows),
+             "| C++ compiles | " + " | ".join(str(row.get("cxx_compiles", "")) for row in rows)
+             + " |"]
+    lines += [f"| {phase} | " + " | ".join(f"{row.get('phases_s', {}).get(phase, 0.0):.2f}"
+                                            for row in rows) + " |" for phase in phases]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Parse ``argv``, measure every (system, depth) cold and/or warm, print the table."""
     parser = argparse.ArgumentParser(prog="python -m bench.compile_time",
@@ -230,6 +253,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         default=["shared"], help="with --gloo-ranks: one cache directory for "
                         "all ranks (one host) and/or one per rank (ranks on different hosts)")
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--phases", type=int, default=0, metavar="N",
+                        help="also print the N compile phases with the most seconds, one "
+                             "column per measurement (where the time went)")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_child(args.child, args.layers[0], args.dim, args.world, args.batch,
@@ -249,7 +275,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += _cold_then_warm(args.caches, "cache", functools.partial(
                 measure, system, layers, dim=args.dim, world=args.world, batch=args.batch,
                 seq=args.seq))
-    return _report(rows, table(rows), args.json)
+    text = table(rows)
+    if args.phases:
+        text += "\n\n" + phase_table(rows, args.phases)
+    return _report(rows, text, args.json)
 
 
 def _cold_then_warm(caches: list[str], label_key: str, measure_on: Any) -> list[dict]:

@@ -69,6 +69,26 @@ def test_the_depth_table_measures_each_system_cold_then_warm(monkeypatch, capsys
     assert "| a | 8 | 20.0 (fx 0h/2m, aot 0h/0m) | 2.0 (fx 2h/0m, aot 0h/0m) |" in out
 
 
+def test_the_phase_table_shows_where_each_measurements_seconds_went(monkeypatch, capsys):
+    def measure(system, layers, cache_dir, **kwargs):
+        phases = {"Scheduler.codegen": 10.0 + layers, "bytecode_tracing": 0.5 * layers,
+                  "tiny": 0.01}
+        return {"system": system, "layers": layers, "first_step_s": 20.0, "process_s": 0.0,
+                "phases_s": phases, "cxx_compiles": 30 + layers}
+
+    monkeypatch.setattr(compile_time, "measure", measure)
+    compile_time.main(["--layers", "2", "16", "--systems", "a", "--phases", "2"])
+    out = capsys.readouterr().out
+    assert "| phase (s) | a 2L cold | a 16L cold |" in out
+    assert "| C++ compiles | 32 | 46 |" in out
+    # the two phases with the most seconds in any column, largest first; "tiny" left out
+    assert out.index("| Scheduler.codegen | 12.00 | 26.00 |") < \
+        out.index("| bytecode_tracing | 1.00 | 8.00 |")
+    assert "| tiny |" not in out
+    compile_time.main(["--layers", "2", "--systems", "a"])
+    assert "phase (s)" not in capsys.readouterr().out  # only when asked
+
+
 def test_the_gloo_table_sums_each_ranks_cpu_and_compares_with_one_rank(monkeypatch, capsys):
     calls: list[tuple[str, bool, int]] = []
 
