@@ -340,14 +340,9 @@ def compile_saving_its_artifacts(compile_fn: Callable[[], Any]) -> tuple[Any, An
     the next launch) loaded back only the last graph graphshard had published. Here the
     compile records into a fresh list (torch's ``CacheArtifactManager.with_fresh_cache``),
     which alone is serialised; its artifacts then join the process's own record, not yet
-    serialised there. Where torch has no fresh-list switch, the cumulative save is kept."""
-    try:
-        from torch.compiler._cache import CacheArtifactManager as manager
-    except ImportError:  # pragma: no cover - a torch without the artifact manager
-        manager = None
-    if manager is None or not hasattr(manager, "with_fresh_cache"):
-        compiled = compile_fn()
-        return compiled, torch.compiler.save_cache_artifacts()
+    serialised there (every supported torch, 2.11 on, has the switch)."""
+    from torch.compiler._cache import CacheArtifactManager as manager
+
     with manager.with_fresh_cache():
         compiled = compile_fn()
         recorded = [(kind, list(artifacts))
