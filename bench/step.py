@@ -122,6 +122,7 @@ from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdow
 from bench.systems import (
     ADAMW_IMPLEMENTATIONS,
     MIXED_PRECISION,
+    ONE_PROCESS_SYSTEMS,
     SYSTEMS,
     BenchContext,
     PeerUnavailable,
@@ -305,7 +306,7 @@ def _timed_step(
 
 def prepare(name: str, ctx: BenchContext, args: argparse.Namespace, rank: int) -> Trial | None:
     """Build ``name`` and run its first step; None where this rank has nothing to run."""
-    if name == "single-compiled" and rank != 0:
+    if name in ONE_PROCESS_SYSTEMS and rank != 0:
         return None
     cuda = ctx.device.type == "cuda"
     before = torch.cuda.memory_allocated(ctx.device) if cuda else 0

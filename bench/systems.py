@@ -72,6 +72,7 @@ from graphshard.models.llama import Llama, LlamaConfig
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
     "MIXED_PRECISION",
+    "ONE_PROCESS_SYSTEMS",
     "SYSTEMS",
     "SIMPLEFSDP_MODES",
     "BenchContext",
@@ -99,7 +100,10 @@ SYSTEMS: tuple[str, ...] = (
     "simplefsdp-auto-bucketing",
     "ddp-compiled",
     "single-compiled",
+    "single-regions-compiled",
 )
+# Systems that run in one process, on rank 0 alone (the other ranks have nothing to run).
+ONE_PROCESS_SYSTEMS = frozenset({"single-compiled", "single-regions-compiled"})
 
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
 _VARIANT = re.compile(r"graphshard-compiled\[(?P<options>.*)\]")
@@ -458,15 +462,23 @@ def _ddp_compiled(ctx: BenchContext, group: dist.ProcessGroup) -> System:
     )  # fmt: skip
 
 
-def _single_compiled(ctx: BenchContext, group: None) -> System:
-    model = build_model(ctx, "single-compiled")
+def _single_compiled(ctx: BenchContext, group: None, regions: bool = False) -> System:
+    """The unsharded model in one process, compiled whole; with ``regions``, each block's
+    ``forward`` a ``torch.compiler.nested_compile_region`` (torch's regional compilation:
+    Dynamo traces one block and Inductor compiles it once for all of them), the floor of
+    what compiling a whole step with its blocks compiled once costs."""
+    name = "single-regions-compiled" if regions else "single-compiled"
+    model = build_model(ctx, name)
     notes = [
         f"rank 0 alone trains on its local batch (1/{ctx.world_size} of the global batch): "
         "final_loss is rank 0's loss, so it follows a different trajectory than the "
         "distributed systems' global-batch loss"
     ]
+    block = type(model.layers[0])  # this system's own copy of the class (build_model's owner)
+    if regions and not hasattr(block.forward, "__marked_compile_region_fn__"):
+        block.forward = torch.compiler.nested_compile_region(block.forward)
     return System(
-        "single-compiled", _compile(model), model, _adamw(model, ctx), False, notes=notes,
+        name, _compile(model), model, _adamw(model, ctx), False, notes=notes,
         autocast=ctx.param_dtype,
     )  # fmt: skip
 
@@ -490,6 +502,7 @@ _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
     },
     "ddp-compiled": _ddp_compiled,
     "single-compiled": _single_compiled,
+    "single-regions-compiled": lambda ctx, g: _single_compiled(ctx, g, regions=True),
 }
 
 
@@ -504,7 +517,7 @@ def build_system(name: str, ctx: BenchContext) -> System:
     if name not in _BUILDERS and options is None:
         raise KeyError(f"Unknown system {name!r}; choose from {', '.join(SYSTEMS)} or "
                        "graphshard-compiled[option=value,...]")
-    if name == "single-compiled":
+    if name in ONE_PROCESS_SYSTEMS:
         return _BUILDERS[name](ctx, None)
     if not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised process group")

@@ -618,3 +618,34 @@ def test_optimizer_option_reaches_every_systems_adamw():
     assert parse_args(["--json", "x.json"]).optimizer == "default"
     with pytest.raises(SystemExit):
         parse_args(["--json", "x.json", "--optimizer", "adam"])
+
+
+def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
+    """The regional-compilation floor: the unsharded model whose blocks are one
+    ``nested_compile_region``. Dynamo's graph calls one body for every layer, and the compiled
+    step computes the plain model's loss."""
+    from bench.systems import ONE_PROCESS_SYSTEMS, build_system
+    from bench.timing import train_step
+
+    cfg = llama_config("tiny", n_layers=3)
+    ctx = BenchContext(cfg, 0, 1e-3, torch.device("cpu"), 2)
+    system = build_system("single-regions-compiled", ctx)
+    assert "single-regions-compiled" in ONE_PROCESS_SYSTEMS and not system.distributed
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    torch.compile(system.module, backend=capture)(tokens)
+    calls = [n for g in graphs for n in g.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == cfg.n_layers
+    assert len({n.args[0].target for n in calls}) == 1  # one body, called for every layer
+
+    torch.manual_seed(ctx.seed)
+    plain = Llama(cfg)
+    expected = plain(tokens).loss
+    assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
