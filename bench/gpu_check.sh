@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Every GPU check of graphshard in one pass, for a GPU machine lent for a few minutes with
+# torch already installed (nothing else installable): the CUDA test tier first (is it
+# right?), then the bench's GPU rows (is it fast?), each stage under its own time limit so
+# that a slow stage cannot eat the ones after it. Results and logs go to $OUT (default
+# gpu_out/); a stage that ran out of time says so in summary.txt and the next one starts.
+#
+#   OUT=/some/dir bash bench/gpu_check.sh          # at most 9 minutes, install included
+#   STAGES="tier bench1" bash bench/gpu_check.sh   # some stages only
+#
+# Stages (in order):
+#   tier     python -m pytest tests/gpu (the CUDA tier: offload, training, state, fake world)
+#   bench1   world 1, 0.9B Llama (llama-1b) in bf16: graphshard against one process
+#            (issue 26's target: at most 1.02x) and FSDP2 + compile
+#   bench8   fake world of 8, llama-1b in bf16: graphshard, its coalesced collectives,
+#            SimpleFSDP's block bucketing (where torchtitan is installed) and FSDP2
+# The bench rows record each system's first step too (`compile s`, a cold Inductor cache).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+STAGES=${STAGES:-"tier bench1 bench8"}
+mkdir -p "$OUT"
+export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/graphshard_gpu_check_cache"  # not brought back
+summary="$OUT/summary.txt"
+: > "$summary"
+
+python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+    || python -m pip install -q --no-deps -e . >> "$OUT/install.log" 2>&1
+python - > "$OUT/device.txt" 2>&1 <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
+EOF
+cat "$OUT/device.txt" >> "$summary"
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, note how it ended
+    local name=$1 limit=$2
+    shift 2
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local how="exit $rc"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && how="ran out of its ${limit} s"
+    echo "$name: $how after $((SECONDS - start)) s" >> "$summary"
+}
+
+stage tier 180 python -m pytest -q -p no:cacheprovider tests/gpu \
+    --junitxml="$OUT/tier.xml"
+stage bench1 180 python -m bench.step --device cuda --world-size 1 --model llama-1b \
+    --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
+    --host-tax-steps 2 --systems graphshard-compiled single-compiled fsdp2-compiled \
+    --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
+stage bench8 180 python -m bench.step --device cuda --fake-world 8 --model llama-1b \
+    --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
+    --host-tax-steps 0 --systems graphshard-compiled \
+    'graphshard-compiled[all_gather_via=coalesced,reduce_scatter_via=coalesced]' \
+    simplefsdp-block-bucketing fsdp2-compiled \
+    --json "$OUT/bench8.json" --markdown "$OUT/bench8.md"
+cat "$summary"
