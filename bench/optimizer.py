@@ -14,6 +14,11 @@ DTensor's dispatch, which on a small model costs more than the arithmetic. The c
   step is local to each rank);
 - ``plain``: on the unsharded model, plain tensors (DDP's and one process's optimizer).
 
+``fused`` on the shards runs on their local tensors (graphshard's local path for the fused
+steps, :mod:`graphshard.api.fused_optimizer_ops`); ``fused_dtensor_dispatch_ms``, timed in the
+same rounds, is that step through DTensor's own dispatch, what it costs without the local
+path.
+
 The implementations run interleaved, ``--rounds`` rounds of ``--steps`` timed steps each
 after a few untimed ones, from fixed gradients; the figure is the median over the rounds,
 in milliseconds per step. ``fused_vs_loop_max_abs_diff`` is the largest difference between
@@ -36,6 +41,7 @@ from torch import nn
 
 import graphshard
 from bench.systems import ADAMW_IMPLEMENTATIONS, BenchContext, build_model
+from graphshard.api.fused_optimizer_ops import dtensor_dispatch
 from graphshard.models.llama import CONFIGS, llama_config
 
 __all__ = ["IMPLEMENTATIONS", "main", "parse_args"]
@@ -90,23 +96,38 @@ def _time_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Median ms per step of every implementation on every model, interleaved by round."""
+_DTENSOR = ("sharded", "fused-dtensor-dispatch")  # fused on the shards, DTensor's dispatch
+
+
+def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, Any]:
+    """Median ms per step of every implementation on every model, interleaved by round,
+    and of the shards' fused step through DTensor's dispatch."""
     optimizers = {
         (where, name): torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
         for where, model in models.items()
         for name, kwargs in IMPLEMENTATIONS.items()
     }
-    for optimizer in optimizers.values():
-        _time_steps(optimizer, _WARMUP)
+    optimizers[_DTENSOR] = torch.optim.AdamW(models["sharded"].parameters(), lr=1e-3,
+                                             **IMPLEMENTATIONS["fused"])
+
+    def timed(key: tuple[str, str], steps: int) -> float:
+        if key != _DTENSOR:
+            return _time_steps(optimizers[key], steps)
+        with dtensor_dispatch():
+            return _time_steps(optimizers[key], steps)
+
+    for key in optimizers:
+        timed(key, _WARMUP)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in optimizers}
     for _ in range(args.rounds):
-        for key, optimizer in optimizers.items():
-            times[key].append(_time_steps(optimizer, args.steps))
-    return {
+        for key in optimizers:
+            times[key].append(timed(key, args.steps))
+    result: dict[str, Any] = {
         where: {name: statistics.median(times[where, name]) for name in IMPLEMENTATIONS}
         for where in models
     }
+    result["fused_dtensor_dispatch_ms"] = statistics.median(times[_DTENSOR])
+    return result
 
 
 def _fused_vs_loop(ctx: BenchContext) -> float:
@@ -135,6 +156,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     for where in ("sharded", "plain"):
         lines.append(f"| {where} | " + " | ".join(f"{result[where][n]:.2f}" for n in names) + " |")
     lines.append("")
+    lines.append(f"fused on the shards through DTensor's dispatch (no local path): "
+                 f"{result['fused_dtensor_dispatch_ms']:.2f} ms")
     lines.append(f"fused vs loop after 5 steps, largest difference: "
                  f"{result['fused_vs_loop_max_abs_diff']:.3g}")
     return "\n".join(lines) + "\n"

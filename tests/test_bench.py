@@ -600,8 +600,10 @@ def test_optimizer_bench_times_every_adamw_on_shards_and_plain(capsys):
     # torch's fused CPU kernel on graphshard's DTensor shards: the loop's result, rounded
     # differently
     assert 0 <= result["fused_vs_loop_max_abs_diff"] < 1e-6, result
+    assert result["fused_dtensor_dispatch_ms"] > 0, result
     table = capsys.readouterr().out
     assert "| sharded |" in table and "| plain |" in table and "fused ms" in table
+    assert "through DTensor's dispatch" in table
     with pytest.raises(SystemExit):
         optimizer.parse_args(["--world-size", "1"])
 

@@ -43,6 +43,7 @@ from graphshard.api.block_regions import (
     unchecked_side_effect,
 )
 from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -558,6 +559,7 @@ def shard(
             "supported; shard without offload, or offload without tensor parallelism."
         )
     group, replica_group = _resolve_groups(mesh)
+    run_fused_optimizers_locally()  # a fused optimizer's step on the shards, without dispatch
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):

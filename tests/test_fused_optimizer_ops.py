@@ -1,0 +1,125 @@
+"""``graphshard.api.fused_optimizer_ops``: a fused optimizer's step on sharded parameters runs
+on the local tensors, with DTensor's own result bit for bit, and whatever the local path cannot
+serve still goes through DTensor's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+import graphshard
+from graphshard.api import fused_optimizer_ops
+from graphshard.models.llama import Llama, llama_config
+from graphshard.models.mlp import OddMLP
+
+aten = torch.ops.aten
+HANDLERS = DTensor._op_dispatcher._custom_op_handlers
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+    "adamw-tensor-lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """How many fused calls ran locally and how many went to DTensor's dispatch."""
+    seen = {"local": 0, "dtensor": 0}
+    localized = fused_optimizer_ops._localized
+
+    def counting(args, kwargs):
+        out = localized(args, kwargs)
+        seen["local" if out is not None else "dtensor"] += 1
+        return out
+
+    monkeypatch.setattr(fused_optimizer_ops, "_localized", counting)
+    return seen
+
+
+def _sharded_with_grads(build) -> torch.nn.Module:
+    """``build()``'s model from seed 0, sharded, with the same gradients every time."""
+    torch.manual_seed(0)
+    model = graphshard.shard(build())
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())
+    return model
+
+
+def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                out.append(value.to_local() if isinstance(value, DTensor) else value)
+    return out
+
+
+# The fused steps DTensor's dispatch has a sharding rule for (SGD's and Adagrad's have none:
+# on DTensor parameters they raise without the local path).
+DTENSOR_RUNS = {"adamw", "adam-amsgrad", "adamw-tensor-lr"}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("build", [OddMLP, lambda: Llama(llama_config("tiny"))],
+                         ids=["odd-mlp", "llama"])
+def test_a_fused_step_on_shards_runs_locally_with_the_exact_result(fake2, spy, name, build):
+    """Three steps on the shards (uneven ones in the odd MLP) equal, bit for bit, the same
+    optimizer on plain copies of the local tensors and, where DTensor can run the op,
+    DTensor's own dispatch; parameters keep their placements."""
+    model = _sharded_with_grads(build)  # shard() installs the local path
+    plain = [torch.nn.Parameter(p.to_local().clone()) for p in model.parameters()]
+    for copy, p in zip(plain, model.parameters(), strict=True):
+        copy.grad = p.grad.to_local().clone()
+    ours, on_plain = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](plain)
+    for _ in range(3):
+        ours.step()
+        on_plain.step()
+    assert spy == {"local": 3, "dtensor": 0}
+    for mine, ref in zip(model.parameters(), plain, strict=True):
+        assert torch.equal(mine.to_local(), ref)
+    assert all(torch.equal(a, b) for a, b in zip(_states(ours), _states(on_plain), strict=True))
+    if name not in DTENSOR_RUNS:
+        return
+    reference = _sharded_with_grads(build)
+    theirs = OPTIMIZERS[name](reference.parameters())
+    with fused_optimizer_ops.dtensor_dispatch():
+        for _ in range(3):
+            theirs.step()
+    assert spy == {"local": 3, "dtensor": 0}  # the reference never reached the handler
+    for mine, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.to_local(), ref.to_local())
+        assert mine.placements == ref.placements
+    assert all(torch.equal(a, b) for a, b in zip(_states(ours), _states(theirs), strict=True))
+
+
+def test_a_call_with_other_placements_goes_through_dtensor(fake2, spy):
+    """Gradients replicated beside sharded parameters: DTensor redistributes them, so the
+    call is not elementwise on the local tensors and takes DTensor's path, with its result."""
+    model, reference = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = p.grad.redistribute(p.device_mesh, [Replicate()])
+    torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
+    assert spy == {"local": 0, "dtensor": 1}
+    with fused_optimizer_ops.dtensor_dispatch():
+        torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True).step()
+    assert spy == {"local": 0, "dtensor": 1}  # the reference never reached the handler
+    for mine, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.to_local(), ref.to_local())
+    assert HANDLERS[aten._fused_adamw_.default] is fused_optimizer_ops._local_or_default
+
+
+def test_shard_installs_the_local_path_once_and_keeps_other_handlers(fake2, monkeypatch):
+    monkeypatch.setattr(fused_optimizer_ops, "_installed", False)
+    theirs = object()
+    monkeypatch.setitem(HANDLERS, aten._fused_sgd_.default, theirs)
+    graphshard.shard(OddMLP())
+    assert HANDLERS[aten._fused_adamw_.default] is fused_optimizer_ops._local_or_default
+    assert HANDLERS[aten._fused_sgd_.default] is theirs  # a handler already there is kept
+    assert not any(str(op).startswith("aten._foreach") for op in fused_optimizer_ops.LOCAL_OPS)
