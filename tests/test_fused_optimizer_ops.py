@@ -115,6 +115,20 @@ def test_a_call_with_other_placements_goes_through_dtensor(fake2, spy):
     assert HANDLERS[aten._fused_adamw_.default] is fused_optimizer_ops._local_or_default
 
 
+def test_dtensor_parameters_not_made_by_shard_keep_dtensors_dispatch(fake2, spy):
+    """Another library's DTensor parameters (here: distribute_tensor's, as FSDP2 makes
+    them) are stepped by DTensor's dispatch even once graphshard's path is installed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _sharded_with_grads(OddMLP)  # installs the local path
+    mesh = init_device_mesh("cpu", (2,))
+    theirs = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+    theirs.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    torch.optim.AdamW([theirs], lr=1e-2, fused=True).step()
+    assert spy == {"local": 0, "dtensor": 1}
+
+
 def test_shard_installs_the_local_path_once_and_keeps_other_handlers(fake2, monkeypatch):
     monkeypatch.setattr(fused_optimizer_ops, "_installed", False)
     theirs = object()

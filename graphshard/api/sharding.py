@@ -559,7 +559,6 @@ def shard(
             "supported; shard without offload, or offload without tensor parallelism."
         )
     group, replica_group = _resolve_groups(mesh)
-    run_fused_optimizers_locally()  # a fused optimizer's step on the shards, without dispatch
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -611,6 +610,8 @@ def shard(
             owners.setdefault(id(sub), (sub, []))[1].append(pname)
 
     state_index = _register_state(module, state)
+    # a fused optimizer's step on these shards runs on their local tensors, without dispatch
+    run_fused_optimizers_locally(entry.param for entry in state.params)
     for sub, pnames in owners.values():
         if getattr(sub, "_graphshard_specs", None) is not None:
             continue
