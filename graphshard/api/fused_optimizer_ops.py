@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["LOCAL_OPS", "dtensor_dispatch", "run_fused_optimizers_locally"]
@@ -60,29 +61,27 @@ LOCAL_OPS: frozenset[Any] = _ops()
 
 _lock = threading.Lock()
 _installed = False
-# graphshard's parameters, by id (a WeakSet would compare tensors with ==, elementwise)
-_SHARDS: dict[int, weakref.ref] = {}
+# The ids of graphshard's parameters, while their model lives. No reference to them: a weak
+# one would stop ``module.to_empty()`` from swapping their contents (``swap_tensors`` refuses a
+# tensor with weak references; the swap keeps each parameter's identity). Were an id reused
+# by another tensor while here, a call would still run locally only where that is exact.
+_SHARD_IDS: set[int] = set()
 
 
 def _is_shard(param: object) -> bool:
-    ref = _SHARDS.get(id(param))
-    return ref is not None and ref() is param
+    return id(param) in _SHARD_IDS
 
 
-def _remember(param: torch.Tensor) -> None:
-    key = id(param)
-    _SHARDS[key] = weakref.ref(param, lambda _, key=key: _SHARDS.pop(key, None))
-
-
-def run_fused_optimizers_locally(params: Iterable[torch.Tensor]) -> None:
+def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]) -> None:
     """From now on, this process runs the fused optimizer steps of :data:`LOCAL_OPS` on the
-    local tensors of ``params`` (and of the parameters of earlier calls) wherever that gives
-    DTensor's own result (module docstring). The handler is registered once; ops that already
-    have one keep it."""
+    local tensors of ``params`` (the sharded parameters of ``root``, until ``root`` is
+    garbage) wherever that gives DTensor's own result (module docstring). The handler is
+    registered once; ops that already have one keep it."""
     global _installed
+    ids = {id(param) for param in params}
     with _lock:
-        for param in params:
-            _remember(param)
+        _SHARD_IDS.update(ids)
+        weakref.finalize(root, _SHARD_IDS.difference_update, ids)
         if _installed:
             return
         handlers = DTensor._op_dispatcher._custom_op_handlers

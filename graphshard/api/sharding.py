@@ -611,7 +611,7 @@ def shard(
 
     state_index = _register_state(module, state)
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
-    run_fused_optimizers_locally(entry.param for entry in state.params)
+    run_fused_optimizers_locally(module, (entry.param for entry in state.params))
     for sub, pnames in owners.values():
         if getattr(sub, "_graphshard_specs", None) is not None:
             continue
