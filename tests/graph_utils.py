@@ -79,7 +79,9 @@ _SCHEDULE_TOKENS = {
 def schedule_string(gm: fx.GraphModule) -> str:
     """The graph's schedule as a normalised string, free of node names and torch's own
     lowering details: ``AG0:212`` is the first all-gather (212 elements gathered), ``W(AG0)``
-    its wait, ``MM`` a matmul, ``RS1:106`` the second reduce-scatter (106 elements in)."""
+    its wait, ``MM`` one or more matmuls in a row (a block region's call or its matmuls:
+    torch 2.13's Dynamo inlines a region called once, 2.11's keeps it), ``RS1:106`` the
+    second reduce-scatter (106 elements in)."""
     seen: dict[str, int] = {}
     label: dict[fx.Node, str] = {}
     tokens = []
@@ -95,7 +97,7 @@ def schedule_string(gm: fx.GraphModule) -> str:
             tokens.append(f"{label[node]}:{size}")
         elif node.target is c10d.wait_tensor.default:
             tokens.append(f"W({label.get(node.args[0], '?')})")
-        elif node.target in MATMULS:
+        elif node.target in MATMULS and (not tokens or tokens[-1] != "MM"):
             tokens.append("MM")
     return " ".join(tokens)
 

@@ -27,7 +27,8 @@ from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 
 ACCEL = offload_graphs.ACCEL
-COMPUTE = {"aten.mm.default", "aten.addmm.default"}
+# a matmul, or a block region's call (torch 2.11 keeps a region called once; 2.13 inlines it)
+COMPUTE = {"aten.mm.default", "aten.addmm.default", "invoke_subgraph"}
 GATHER = "_c10d_functional.all_gather_into_tensor.default"
 WAIT = "_c10d_functional.wait_tensor.default"
 DEVICE_PUT = "prims.device_put.default"
