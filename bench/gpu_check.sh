@@ -10,7 +10,8 @@
 #
 # Stages (in order):
 #   tier     python -m pytest tests/gpu (the CUDA tier: offload, training, state, fake world)
-#   bench1   world 1, 0.9B Llama (llama-1b) in bf16: graphshard against one process
+#   bench1   world 1, 0.9B Llama (llama-1b) in bf16, every system with fused AdamW (whose step
+#            graphshard runs on the shards' local tensors): graphshard against one process
 #            (issue 26's target: at most 1.02x) and FSDP2 + compile
 #   bench8   fake world of 8, llama-1b in bf16: graphshard, its coalesced collectives,
 #            SimpleFSDP's block bucketing (where torchtitan is installed) and FSDP2
@@ -49,7 +50,8 @@ stage tier 180 python -m pytest -q -p no:cacheprovider tests/gpu \
     --junitxml="$OUT/tier.xml"
 stage bench1 180 python -m bench.step --device cuda --world-size 1 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
-    --host-tax-steps 2 --systems graphshard-compiled single-compiled fsdp2-compiled \
+    --optimizer fused --host-tax-steps 2 \
+    --systems graphshard-compiled single-compiled fsdp2-compiled \
     --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
 stage bench8 180 python -m bench.step --device cuda --fake-world 8 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
