@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from graphshard.api.dtensor_handlers import through_dtensor
+
 __all__ = ["LOCAL_OPS", "dtensor_dispatch", "run_fused_optimizers_locally"]
 
 aten = torch.ops.aten
@@ -106,19 +108,9 @@ def _local_or_default(op: Any, args: tuple, kwargs: dict) -> Any:
     """DTensor's handler for ``op``: on the local tensors where exact, else DTensor's own."""
     local = _localized(args, kwargs)
     if local is None:
-        return _default(op, args, kwargs)
+        return through_dtensor(op, args, kwargs)
     local_args, local_kwargs = local
     return op(*local_args, **local_kwargs)  # in place: the local tensors are the DTensors' data
-
-
-def _default(op: Any, args: tuple, kwargs: dict) -> Any:
-    """``op`` through DTensor's own dispatch (the handler stands aside for the one call)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handler = handlers.pop(op)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        handlers[op] = handler
 
 
 def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:

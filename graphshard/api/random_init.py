@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from graphshard.api.dtensor_handlers import through_dtensor
+
 __all__ = ["install"]
 
 _aten = torch.ops.aten
@@ -47,19 +49,10 @@ def _draws_full(target: Any, args: tuple, kwargs: dict) -> bool:
     return not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
 
 
-def _fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    mine = handlers.pop(op)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        handlers[op] = mine
-
-
 def _inplace_random(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     target = args[0]
     if not _draws_full(target, args, kwargs):
-        return _fallback(op, args, kwargs)
+        return through_dtensor(op, args, kwargs)
     local = target.to_local()
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
