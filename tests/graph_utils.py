@@ -79,9 +79,9 @@ _SCHEDULE_TOKENS = {
 def schedule_string(gm: fx.GraphModule) -> str:
     """The graph's schedule as a normalised string, free of node names and torch's own
     lowering details: ``AG0:212`` is the first all-gather (212 elements gathered), ``W(AG0)``
-    its wait, ``MM`` one or more matmuls in a row (a block region's call or its matmuls:
-    torch 2.13's Dynamo inlines a region called once, 2.11's keeps it), ``RS1:106`` the
-    second reduce-scatter (106 elements in)."""
+    its wait, ``MM`` a matmul, ``RS1:106`` the second reduce-scatter (106 elements in). A block
+    region's call reads as the matmuls of its body: torch 2.13's Dynamo inlines a region
+    called once, 2.11's keeps the call, and both give the same string."""
     seen: dict[str, int] = {}
     label: dict[fx.Node, str] = {}
     tokens = []
@@ -97,9 +97,24 @@ def schedule_string(gm: fx.GraphModule) -> str:
             tokens.append(f"{label[node]}:{size}")
         elif node.target is c10d.wait_tensor.default:
             tokens.append(f"W({label.get(node.args[0], '?')})")
-        elif node.target in MATMULS and (not tokens or tokens[-1] != "MM"):
+        elif node.target is torch.ops.higher_order.invoke_subgraph:
+            tokens.extend(["MM"] * _body_matmuls(getattr(gm, node.args[0].target)))
+        elif node.target in MATMULS:
             tokens.append("MM")
     return " ".join(tokens)
+
+
+def _body_matmuls(body: fx.GraphModule) -> int:
+    """The matmuls a region body runs, those of regions it calls included."""
+    count = 0
+    for node in body.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.higher_order.invoke_subgraph:
+            count += _body_matmuls(getattr(body, node.args[0].target))
+        elif node.target in MATMULS:
+            count += 1
+    return count
 
 
 def saved_for_backward(fw: fx.GraphModule, num_user_outputs: int) -> list[fx.Node]:

@@ -52,11 +52,11 @@ class LoweredGraphs(expecttest.TestCase):
             stages = compile_and_step(graphshard.shard(TwoBlock()))
         # forward: bucket k+1's gather issued before bucket k's matmuls, the head last
         self.assertExpectedInline(schedule_string(stages["fw"]), """\
-AG0:212 W(AG0) AG1:212 MM W(AG1) AG2:36 MM W(AG2) MM""")
+AG0:212 W(AG0) AG1:212 MM MM W(AG1) AG2:36 MM MM W(AG2) MM""")
         # backward: the head is kept from forward (no regather); the blocks are regathered
         # without their biases, and each reduce-scatter is waited one bucket later
         self.assertExpectedInline(schedule_string(stages["bw"]), """\
-AG0:192 MM RS0:36 W(AG0) AG1:96 MM W(RS0) RS1:212 W(AG1) MM W(RS1) RS2:212 W(RS2)""")
+AG0:192 MM MM RS0:36 W(AG0) AG1:96 MM MM MM MM W(RS0) RS1:212 W(AG1) MM MM MM W(RS1) RS2:212 W(RS2)""")
 
 
 def test_collectives_per_bucket(world2):

@@ -614,7 +614,7 @@ def test_lower_reduce_grad_issues_each_bucket_at_its_last_gradient(group):
     g2 = b(aten.mm.default, g1, g1)
     r2 = b.reduce_grad(g2, 0, "w2", 4)
     gm = run("bw", lower_reduce_grad, b.module(r0, r1, r2))
-    assert schedule_string(gm) == "MM RS0:64 W(RS0) MM RS1:128 W(RS1)"
+    assert schedule_string(gm) == "MM MM RS0:64 W(RS0) MM RS1:128 W(RS1)"
     assert [r.meta["graphshard"]["bucket"] for r in calls(gm, RS)] == [1, 0]
     assert [shape(o) for o in outputs(gm)] == [(4, 8)] * 3
 
@@ -790,10 +790,10 @@ def test_overlap_reduce_waits_each_reduce_scatter_at_the_next_ones_issue(group):
     bucket's compute."""
     gm = _lowered_backward(group)
     assert schedule_string(gm) == (
-        "MM RS0:64 W(RS0) MM RS1:64 W(RS1) MM RS2:64 W(RS2) MM")
+        "MM RS0:64 W(RS0) MM MM RS1:64 W(RS1) MM MM RS2:64 W(RS2) MM")
     gm = run("bw", overlap_reduce, gm)
     assert schedule_string(gm) == (
-        "MM RS0:64 MM W(RS0) RS1:64 MM W(RS1) RS2:64 MM W(RS2)")
+        "MM RS0:64 MM MM W(RS0) RS1:64 MM MM W(RS1) RS2:64 MM W(RS2)")
     for wait in calls(gm, WAIT):
         assert wait.next.target is aten.view.default and wait.next.args[0] is wait
     assert list(gm.graph.nodes)[-2].args[0] is calls(gm, WAIT)[-1]
@@ -810,7 +810,7 @@ def test_overlap_reduce_delays_the_replica_all_reduce_one_bucket_further(group):
     just before the reduce-scatter after next (or the output)."""
     gm = run("bw", overlap_reduce, _lowered_backward(group, hsdp=True))
     assert schedule_string(gm) == (
-        "MM RS0:64 MM W(RS0) AR0:32 RS1:64 MM W(RS1) AR1:32 W(AR0) RS2:64 MM "
+        "MM RS0:64 MM MM W(RS0) AR0:32 RS1:64 MM MM W(RS1) AR1:32 W(AR0) RS2:64 MM "
         "W(RS2) AR2:32 W(AR1) W(AR2)")
 
 
