@@ -474,9 +474,10 @@ def _single_compiled(ctx: BenchContext, group: None, regions: bool = False) -> S
         "final_loss is rank 0's loss, so it follows a different trajectory than the "
         "distributed systems' global-batch loss"
     ]
-    block = type(model.layers[0])  # this system's own copy of the class (build_model's owner)
-    if regions and not hasattr(block.forward, "__marked_compile_region_fn__"):
-        block.forward = torch.compiler.nested_compile_region(block.forward)
+    if regions:  # on this system's own copy of the class (build_model's owner), once
+        block = type(model.layers[0])
+        if not hasattr(block.forward, "__marked_compile_region_fn__"):
+            block.forward = torch.compiler.nested_compile_region(block.forward)
     return System(
         name, _compile(model), model, _adamw(model, ctx), False, notes=notes,
         autocast=ctx.param_dtype,

@@ -137,3 +137,27 @@ def test_shard_installs_the_local_path_once_and_keeps_other_handlers(fake2, monk
     assert HANDLERS[aten._fused_adamw_.default] is fused_optimizer_ops._local_or_default
     assert HANDLERS[aten._fused_sgd_.default] is theirs  # a handler already there is kept
     assert not any(str(op).startswith("aten._foreach") for op in fused_optimizer_ops.LOCAL_OPS)
+
+
+def test_the_local_path_survives_to_empty_of_a_meta_built_model(fake2, spy):
+    """FSDP2's meta-init recipe: build on the meta device, shard, ``to_empty``, initialise.
+    ``to_empty`` swaps each parameter's contents (keeping the object), so the fused step
+    still runs locally, with the plain optimizer's result."""
+    with torch.device("meta"):
+        model = OddMLP()
+    graphshard.shard(model)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        with torch.no_grad():
+            p.to_local().normal_(generator=gen)
+        p.grad = DTensor.from_local(torch.randn(p.to_local().shape, generator=gen),
+                                    p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())
+    plain = [torch.nn.Parameter(p.to_local().clone()) for p in model.parameters()]
+    for copy, p in zip(plain, model.parameters(), strict=True):
+        copy.grad = p.grad.to_local().clone()
+    OPTIMIZERS["adamw"](model.parameters()).step()
+    OPTIMIZERS["adamw"](plain).step()
+    assert spy == {"local": 1, "dtensor": 0}
+    assert all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), plain, strict=True))

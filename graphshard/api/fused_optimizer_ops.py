@@ -134,9 +134,10 @@ def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
         if value is _REFUSED:
             return None
         local_kwargs[key] = value
-    firsts = _position_specs(lists)
-    if firsts is None or any(_scalar_mesh_mismatch(first, mesh) for first in firsts):
-        return None
+    firsts = _first_dtensors(lists)
+    if firsts is None or any(first is None or (mesh is not None and first._spec.mesh is not mesh)
+                             for first in firsts):
+        return None  # a position without a DTensor, or a 0-dim DTensor on another mesh
     return local_args, local_kwargs
 
 
@@ -161,7 +162,7 @@ def _local_value(arg: Any, lists: list, mesh: Any) -> tuple[Any, Any]:
     return arg, mesh
 
 
-def _position_specs(lists: list) -> list | None:
+def _first_dtensors(lists: list) -> list | None:
     """The first DTensor at each list position, whose spec the others there share; None
     where they differ, hold a ``Partial``, or sit beside a plain tensor that is not 0-dim."""
     if not lists:
@@ -187,7 +188,3 @@ def _position_specs(lists: list) -> list | None:
                 return None
         firsts.append(first)
     return firsts
-
-
-def _scalar_mesh_mismatch(first: DTensor | None, mesh: Any) -> bool:
-    return first is None or (mesh is not None and first._spec.mesh is not mesh)
