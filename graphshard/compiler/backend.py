@@ -129,7 +129,25 @@ class _Untraced:
         finish = functools.partial(_eager, share=None)
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
-                                         finish, cached=False)
+                                         finish, cached=False, joint_passes=True)
+
+
+def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Inductor's joint-graph passes on ``joint``, as Inductor's own partition function runs
+    them before it partitions (a region's joint included; the regions in ``joint`` are
+    partitioned on their own). They fold constants and replace patterns for kernels that
+    fuse: without them, for example, the loss's backward materialises a zero tensor of
+    (tokens x vocabulary) and scatters into it, where Inductor computes it pointwise."""
+    from torch._inductor.compile_fx import (
+        _recursive_joint_graph_passes,
+        get_cuda_device_context,
+        get_inputs_devices,
+    )
+
+    with get_cuda_device_context(joint):
+        device = next(iter(get_inputs_devices(joint_inputs, joint)), None)
+        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True,
+                                             input_device=device)
 
 
 def _with_backward_now(compile_graph: Any) -> Any:
@@ -248,7 +266,8 @@ class GraphshardBackend:
     @property
     def graphs(self) -> list[dict[str, fx.GraphModule]]:
         """One entry per compiled Dynamo graph: stage name (``dynamo``, ``joint``, ``fw``,
-        ``bw``, ``inference``) -> the graph as the passes left it.
+        ``bw``, ``inference``) -> the graph as the passes left it (the ``joint`` of an
+        Inductor compile then also went through Inductor's joint-graph passes, in place).
 
         A graph that AOTAutogradCache answered (``aot_cache``) ran no pass when it compiled;
         its stages are traced here, on first read, from its Dynamo graph on fake tensors
@@ -274,7 +293,8 @@ class GraphshardBackend:
         finish = functools.partial(_inductor if self.inductor else _eager, share=share)
 
         def compile_graph() -> Any:
-            return self._compile_stages(gm, example_inputs, stages, dumper, finish, cached)
+            return self._compile_stages(gm, example_inputs, stages, dumper, finish, cached,
+                                        joint_passes=self.inductor)
 
         if cached and share is not None:  # one rank compiles; the others hit its entry
             compiled = share.compile_whole_graph(
@@ -302,10 +322,12 @@ class GraphshardBackend:
 
     def _compile_stages(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                         stages: dict[str, fx.GraphModule], dumper: GraphDumper,
-                        finish: Any, cached: bool) -> Any:
+                        finish: Any, cached: bool, joint_passes: bool) -> Any:
         """AOTAutograd on the Dynamo graph ``gm``, each of its stages through the passes into
         ``stages`` and then ``finish`` (Inductor or op by op). ``cached``: AOTAutogradCache
-        may answer instead, in which case no stage runs."""
+        may answer instead, in which case no stage runs. ``joint_passes``: Inductor's own
+        joint-graph passes run on every joint before it is partitioned, as they do in
+        ``torch.compile``'s Inductor backend (:func:`inductor_joint_passes`)."""
         plan = self.plan
         regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
 
@@ -316,9 +338,12 @@ class GraphshardBackend:
             nonlocal plan
             n_params = regions.get(joint_primal_signature(joint)) if regions else None
             if n_params is not None:  # one block region's own joint (partitioned first)
+                joint = inductor_joint_passes(joint, joint_inputs) if joint_passes else joint
                 return partition_region(joint, joint_inputs, n_params=n_params, **kwargs)
             joint = run("joint", joint)
             plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch
+            if joint_passes:
+                joint = inductor_joint_passes(joint, joint_inputs)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
