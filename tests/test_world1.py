@@ -93,47 +93,64 @@ def test_world1_graphs_are_the_plain_models(name):
         assert _ops(sharded[stage]) == _ops(plain[stage]), stage
 
 
-def _inductor_partitioned_graphs(model: nn.Module, *inputs) -> dict[str, fx.GraphModule]:
-    """The forward and backward graphs of plain ``torch.compile`` partitioned as its Inductor
-    backend partitions them: Inductor's own partition function, joint-graph passes first."""
-    from torch._inductor.compile_fx import partition_fn
+def _inductor_graphs(model: nn.Module, *inputs) -> dict[str, fx.GraphModule]:
+    """The graphs plain ``torch.compile``'s Inductor backend compiles: a training step's
+    forward and backward partitioned by Inductor's own partition function (its joint-graph
+    passes first), or, under ``no_grad``, the inference graph after those passes."""
+    from torch._inductor.compile_fx import (
+        _recursive_joint_graph_passes,
+        get_inputs_devices,
+        partition_fn,
+    )
     from torch._inductor.decomposition import select_decomp_table
 
     graphs = {}
 
     def keep(stage):
         def compiler(gm, example_inputs):
+            if stage == "inference":  # what Inductor's forward compiler runs first
+                device = next(iter(get_inputs_devices(example_inputs, gm)))
+                gm = _recursive_joint_graph_passes(gm, input_device=device)
             graphs[stage] = gm
             return make_boxed_func(gm.forward)
         return compiler
 
     backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"),
-                           partition_fn=partition_fn, decompositions=select_decomp_table())
-    _loss(torch.compile(model, backend=backend, fullgraph=True)(*inputs)).backward()
+                           inference_compiler=keep("inference"), partition_fn=partition_fn,
+                           decompositions=select_decomp_table())
+    output = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    if torch.is_grad_enabled():
+        _loss(output).backward()
     return graphs
 
 
-def test_world1_graphs_inductor_gets_are_the_plain_models_after_its_joint_passes(one_rank):
-    """Inductor rewrites a joint graph before partitioning it (its joint-graph passes:
-    patterns that fuse, constants folded). graphshard partitions the joint itself and must
-    run them too: without them the loss's backward builds a (tokens x vocabulary) zero
-    tensor and scatters into it, where Inductor computes it pointwise, and every other
-    rewrite is lost the same way."""
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_world1_graphs_inductor_gets_are_the_plain_models_after_its_joint_passes(
+        one_rank, grad):
+    """Inductor rewrites a graph before compiling it (its joint-graph passes: patterns that
+    fuse, constants folded), a training step's before partitioning it. graphshard partitions
+    the joint itself and must run them too: without them the loss's backward builds a
+    (tokens x vocabulary) zero tensor and scatters into it, where Inductor computes it
+    pointwise, and every other rewrite is lost the same way."""
     build = _models()["llama_tied"]
-    model, inputs = build()
-    plain = _inductor_partitioned_graphs(model, *inputs)
-    scatter = str(torch.ops.aten.scatter.value)
-    assert not _ops(plain["bw"])[scatter]  # the pattern this test would miss without them
-    torch._dynamo.reset()
-    model, inputs = build()
-    backend = graphshard.backend(aot_cache=False)
-    # each block inlined, as plain torch.compile traces it (block regions: test_block_regions)
-    compiled = torch.compile(graphshard.shard(model, compile_blocks_once=False),
-                             backend=backend, fullgraph=True)
-    _loss(compiled(*inputs)).backward()
-    (stages,) = backend.graphs
-    for stage in ("fw", "bw"):
-        assert _ops(stages[stage]) == _ops(plain[stage]), stage
+    stages = ("fw", "bw") if grad else ("inference",)
+    with torch.set_grad_enabled(grad):
+        model, inputs = build()
+        plain = _inductor_graphs(model, *inputs)
+        torch._dynamo.reset()
+        model, inputs = build()
+        backend = graphshard.backend(aot_cache=False)
+        # each block inlined, as plain torch.compile traces it (regions: test_block_regions)
+        compiled = torch.compile(graphshard.shard(model, compile_blocks_once=False),
+                                 backend=backend, fullgraph=True)
+        output = compiled(*inputs)
+        if grad:
+            _loss(output).backward()
+    (graphs,) = backend.graphs
+    for stage in stages:
+        assert _ops(graphs[stage]) == _ops(plain[stage]), stage
+    if grad:  # the rewrite that costs most without them (on a GPU too)
+        assert not _ops(plain["bw"])[str(torch.ops.aten.scatter.value)]
 
 
 def test_world1_mixed_precision_keeps_only_the_casts():

@@ -132,10 +132,12 @@ class _Untraced:
                                          finish, cached=False, joint_passes=True)
 
 
-def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> fx.GraphModule:
+def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any], *,
+                          partitioned: bool = True) -> fx.GraphModule:
     """Inductor's joint-graph passes on ``joint``, as Inductor's own partition function runs
     them before it partitions (a region's joint included; the regions in ``joint`` are
-    partitioned on their own). They fold constants and replace patterns for kernels that
+    partitioned on their own), or, ``partitioned=False``, as it runs them on an inference
+    graph, regions included. They fold constants and replace patterns for kernels that
     fuse: without them, for example, the loss's backward materialises a zero tensor of
     (tokens x vocabulary) and scatters into it, where Inductor computes it pointwise."""
     from torch._inductor.compile_fx import (
@@ -146,7 +148,7 @@ def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) ->
 
     with get_cuda_device_context(joint):
         device = next(iter(get_inputs_devices(joint_inputs, joint)), None)
-        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True,
+        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=partitioned,
                                              input_device=device)
 
 
@@ -353,6 +355,8 @@ class GraphshardBackend:
             return finish(run("bw", bw), inputs, is_backward=True)
 
         def inference_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
+            if joint_passes:  # no partition: Inductor runs them on the graph it compiles
+                fw = inductor_joint_passes(fw, inputs, partitioned=False)
             return finish(run("inference", fw), inputs, is_inference=True)
 
         from torch._inductor.decomposition import select_decomp_table
