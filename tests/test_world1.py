@@ -124,15 +124,67 @@ def _inductor_graphs(model: nn.Module, *inputs) -> dict[str, fx.GraphModule]:
     return graphs
 
 
-@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+class _NextTokenLoss(nn.Module):
+    """A language model's next-token cross-entropy, outside the model (Hugging Face's own
+    loss logs a warning, which ``fullgraph`` refuses)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class _WrittenOutAttention(nn.Module):
+    """Self-attention as softmax(q k^T / sqrt(d)) v, spelled out: Inductor's joint-graph
+    passes rewrite it to fused scaled-dot-product attention."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in self.qkv)
+        weights = (q @ k.transpose(-2, -1)).div((d // self.heads) ** 0.5).softmax(dim=-1)
+        return (weights @ v).transpose(1, 2).reshape(b, t, d)
+
+
+def _joint_pass_models():
+    def hf_gpt2_eager_attention():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                         eos_token_id=0, attn_implementation="eager")
+        return _NextTokenLoss(GPT2LMHeadModel(cfg)), (torch.randint(0, 256, (2, 16)),)
+
+    def written_out_attention():
+        torch.manual_seed(0)
+        return _WrittenOutAttention(), (torch.randn(2, 32, 64),)
+
+    return {"llama_tied": _models()["llama_tied"],
+            "hf_gpt2_eager_attention": hf_gpt2_eager_attention,
+            "written_out_attention": written_out_attention}
+
+
+@pytest.mark.parametrize("name, grad", [
+    ("llama_tied", True), ("llama_tied", False), ("hf_gpt2_eager_attention", True),
+    ("written_out_attention", True),
+])
 def test_world1_graphs_inductor_gets_are_the_plain_models_after_its_joint_passes(
-        one_rank, grad):
+        one_rank, name, grad):
     """Inductor rewrites a graph before compiling it (its joint-graph passes: patterns that
     fuse, constants folded), a training step's before partitioning it. graphshard partitions
-    the joint itself and must run them too: without them the loss's backward builds a
+    the joint itself and must run them too: without them a loss's backward builds a
     (tokens x vocabulary) zero tensor and scatters into it, where Inductor computes it
-    pointwise, and every other rewrite is lost the same way."""
-    build = _models()["llama_tied"]
+    pointwise; attention written out stays unfused, where Inductor calls fused
+    scaled-dot-product attention."""
+    build = _joint_pass_models()[name]
     stages = ("fw", "bw") if grad else ("inference",)
     with torch.set_grad_enabled(grad):
         model, inputs = build()
@@ -149,7 +201,10 @@ def test_world1_graphs_inductor_gets_are_the_plain_models_after_its_joint_passes
     (graphs,) = backend.graphs
     for stage in stages:
         assert _ops(graphs[stage]) == _ops(plain[stage]), stage
-    if grad:  # the rewrite that costs most without them (on a GPU too)
+    rewritten = {"written_out_attention": "aten._scaled_dot_product_flash_attention_for_cpu"}
+    if name in rewritten:  # the rewrite happened on the plain model, so graphshard's has it
+        assert any(op.startswith(rewritten[name]) for op in _ops(plain["fw"]))
+    elif grad:  # the loss's: the zero tensor and its scatter are gone
         assert not _ops(plain["bw"])[str(torch.ops.aten.scatter.value)]
 
 

@@ -140,13 +140,17 @@ def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any], *,
     graph, regions included. They fold constants and replace patterns for kernels that
     fuse: without them, for example, the loss's backward materialises a zero tensor of
     (tokens x vocabulary) and scatters into it, where Inductor computes it pointwise."""
+    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import (
         _recursive_joint_graph_passes,
         get_cuda_device_context,
         get_inputs_devices,
     )
+    from torch._inductor.virtualized import V
 
-    with get_cuda_device_context(joint):
+    fake_mode = detect_fake_mode(joint_inputs)  # patterns trace their replacements in it
+    with (V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext(),
+          get_cuda_device_context(joint)):
         device = next(iter(get_inputs_devices(joint_inputs, joint)), None)
         return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=partitioned,
                                              input_device=device)
