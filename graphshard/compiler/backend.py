@@ -34,6 +34,7 @@ from graphshard.compiler.cache_key import (
 )
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
+from graphshard.compiler.inductor_joint import inductor_joint_passes
 from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
@@ -130,30 +131,6 @@ class _Untraced:
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
                                          finish, cached=False, joint_passes=True)
-
-
-def inductor_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[Any], *,
-                          partitioned: bool = True) -> fx.GraphModule:
-    """Inductor's joint-graph passes on ``joint``, as Inductor's own partition function runs
-    them before it partitions (a region's joint included; the regions in ``joint`` are
-    partitioned on their own), or, ``partitioned=False``, as it runs them on an inference
-    graph, regions included. They fold constants and replace patterns for kernels that
-    fuse: without them, for example, the loss's backward materialises a zero tensor of
-    (tokens x vocabulary) and scatters into it, where Inductor computes it pointwise."""
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import (
-        _recursive_joint_graph_passes,
-        get_cuda_device_context,
-        get_inputs_devices,
-    )
-    from torch._inductor.virtualized import V
-
-    fake_mode = detect_fake_mode(joint_inputs)  # patterns trace their replacements in it
-    with (V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext(),
-          get_cuda_device_context(joint)):
-        device = next(iter(get_inputs_devices(joint_inputs, joint)), None)
-        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=partitioned,
-                                             input_device=device)
 
 
 def _with_backward_now(compile_graph: Any) -> Any:
