@@ -15,8 +15,8 @@ from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
-    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "graph_order",
-    "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
+    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "fake_value",
+    "graph_order", "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
 ]
 
 aten = torch.ops.aten
@@ -84,16 +84,21 @@ class NodeMaker:
                 if key in self.source.meta:
                     node.meta.setdefault(key, self.source.meta[key])
         if self.fake_mode is not None:
-            fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
             try:
-                with self.fake_mode:
-                    node.meta["val"] = target(*fake_args, **fake_kwargs)
+                node.meta["val"] = fake_value(node, self.fake_mode)
             except Exception as e:  # re-raised: a node without its val misprices every pass
                 raise GraphLoweringError(
                     f"cannot compute the fake value of {node.format_node()} "
                     f"({type(e).__name__}: {e}); this is a graphshard bug, please report it"
                 ) from e
         return node
+
+
+def fake_value(node: fx.Node, fake_mode: Any) -> Any:
+    """What ``node``'s op returns on its inputs' ``meta["val"]``, run under ``fake_mode``."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with fake_mode:
+        return node.target(*args, **kwargs)
 
 
 def copy_to_device(make: NodeMaker, node: fx.Node, device: str, bucket: int) -> fx.Node:

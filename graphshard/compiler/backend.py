@@ -130,7 +130,7 @@ class _Untraced:
         finish = functools.partial(_eager, share=None)
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
-                                         finish, cached=False, joint_passes=True)
+                                         finish, cached=False)
 
 
 def _with_backward_now(compile_graph: Any) -> Any:
@@ -276,8 +276,7 @@ class GraphshardBackend:
         finish = functools.partial(_inductor if self.inductor else _eager, share=share)
 
         def compile_graph() -> Any:
-            return self._compile_stages(gm, example_inputs, stages, dumper, finish, cached,
-                                        joint_passes=self.inductor)
+            return self._compile_stages(gm, example_inputs, stages, dumper, finish, cached)
 
         if cached and share is not None:  # one rank compiles; the others hit its entry
             compiled = share.compile_whole_graph(
@@ -305,13 +304,15 @@ class GraphshardBackend:
 
     def _compile_stages(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                         stages: dict[str, fx.GraphModule], dumper: GraphDumper,
-                        finish: Any, cached: bool, joint_passes: bool) -> Any:
+                        finish: Any, cached: bool) -> Any:
         """AOTAutograd on the Dynamo graph ``gm``, each of its stages through the passes into
         ``stages`` and then ``finish`` (Inductor or op by op). ``cached``: AOTAutogradCache
-        may answer instead, in which case no stage runs. ``joint_passes``: Inductor's own
-        joint-graph passes run on every joint before it is partitioned, as they do in
+        may answer instead, in which case no stage runs. For Inductor (also when its cache
+        answered and the stages are traced again), Inductor's own joint-graph passes run on
+        every joint before it is partitioned and on inference graphs, as in
         ``torch.compile``'s Inductor backend (:func:`inductor_joint_passes`)."""
         plan = self.plan
+        joint_passes = self.inductor
         regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
@@ -321,7 +322,8 @@ class GraphshardBackend:
             nonlocal plan
             n_params = regions.get(joint_primal_signature(joint)) if regions else None
             if n_params is not None:  # one block region's own joint (partitioned first)
-                joint = inductor_joint_passes(joint, joint_inputs) if joint_passes else joint
+                if joint_passes:
+                    joint = inductor_joint_passes(joint, joint_inputs)
                 return partition_region(joint, joint_inputs, n_params=n_params, **kwargs)
             joint = run("joint", joint)
             plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch

@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import fx
 
+from graphshard.passes.fx_util import fake_value
+
 __all__ = ["inductor_joint_passes"]
 
 
@@ -57,9 +59,7 @@ def _fill_fake_values(graph: fx.GraphModule, fake_mode: Any) -> None:
     for node in graph.graph.nodes:
         if node.op != "call_function" or "val" in node.meta:
             continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         try:
-            with fake_mode:
-                node.meta["val"] = node.target(*args, **kwargs)
+            node.meta["val"] = fake_value(node, fake_mode)
         except Exception:  # noqa: BLE001  (the runner's invariant reports the node)
             continue
