@@ -89,7 +89,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _example_rank(rank: int, launched: int, runs: list[tuple[int, int, list[str]]],
+def run_port(out_dir: str, run: int, rank: int, timeout_s: float = 600.0) -> int:
+    """The rendezvous port of run ``run`` of a launch, agreed by its ranks through a file.
+
+    Rank 0 picks a free port just before the run's process group starts and publishes it;
+    the other ranks wait for it. Ports picked for every run up front could be taken, by the
+    time a later run binds them, by an ephemeral port of an earlier run's gloo connections
+    (EADDRINUSE on CI).
+    """
+    import time
+
+    path = Path(out_dir) / f"port{run}"
+    if rank == 0:
+        staged = path.with_suffix(".staged")
+        staged.write_text(str(_free_port()))
+        staged.rename(path)  # atomic: a reader sees the whole number or no file
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no port for run {run} "
+                               f"in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _example_rank(rank: int, launched: int, runs: list[tuple[int, list[str]]],
                   out_dir: str) -> None:
     import importlib.util
 
@@ -100,10 +124,11 @@ def _example_rank(rank: int, launched: int, runs: list[tuple[int, int, list[str]
     spec.loader.exec_module(example)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     losses: list[float | None] = []
-    for world_size, port, argv in runs:
+    for index, (world_size, argv) in enumerate(runs):
         if rank >= world_size:  # a smaller run: this rank sits it out
             losses.append(None)
             continue
+        port = run_port(out_dir, index, rank)
         os.environ.update(WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
         torch._dynamo.reset()  # each run compiles its own model
         losses.append(example.main(argv))
@@ -120,7 +145,7 @@ def example_ranks(*runs: tuple[int, list[str]]) -> list[list[float | None]]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _example_rank,
-            args=(launched, [(world, _free_port(), list(argv)) for world, argv in runs], tmp),
+            args=(launched, [(world, list(argv)) for world, argv in runs], tmp),
             nprocs=launched, join=True, start_method="spawn",
         )
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(launched)]

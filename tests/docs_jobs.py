@@ -91,20 +91,20 @@ def setup(rank: int, world_size: int, tmp: str) -> dict:
     )
 
 
-def run_blocks_rank(rank: int, world_size: int, blocks: list[Block], ports: list[int],
-                    out_dir: str) -> None:
+def run_blocks_rank(rank: int, world_size: int, blocks: list[Block], out_dir: str) -> None:
     """One rank: every block in order, each with its own process group; writes
     ``rank{R}.pt``, a list of (block name, seconds)."""
     import time
 
     import torch.distributed as dist
+    from dist_utils import run_port
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1")
     times = []
-    for index, (block, port) in enumerate(zip(blocks, ports, strict=True)):
-        os.environ["MASTER_PORT"] = str(port)
+    for index, block in enumerate(blocks):
+        os.environ["MASTER_PORT"] = str(run_port(out_dir, index, rank))
         torch._dynamo.reset()
         tmp = Path(out_dir) / f"block{index}"
         start = time.perf_counter()
@@ -131,20 +131,19 @@ def run_blocks_rank(rank: int, world_size: int, blocks: list[Block], ports: list
 def run_blocks(blocks: list[Block], world_size: int = 2) -> list[list[tuple[str, float]]]:
     """Run ``blocks`` on ``world_size`` ranks in one launch of spawned processes."""
     import torch.multiprocessing as mp
-    from dist_utils import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        ports = [_free_port() for _ in blocks]
-        mp.start_processes(run_blocks_rank, args=(world_size, blocks, ports, tmp),
+        mp.start_processes(run_blocks_rank, args=(world_size, blocks, tmp),
                            nprocs=world_size, join=True, start_method="spawn")
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
 
 
-def from_fsdp2_rank(rank: int, world_size: int, runs: list[tuple[int, list[str]]],
-                    out_dir: str) -> None:
-    """One rank: ``examples/from_fsdp2.py``'s ``main`` once per ``(port, argv)``; writes
+def from_fsdp2_rank(rank: int, world_size: int, runs: list[list[str]], out_dir: str) -> None:
+    """One rank: ``examples/from_fsdp2.py``'s ``main`` once per argv in ``runs``; writes
     ``rank{R}.pt``, the list of each run's losses."""
     import importlib.util
+
+    from dist_utils import run_port
 
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("from_fsdp2", ROOT / "examples" / "from_fsdp2.py")
@@ -153,8 +152,8 @@ def from_fsdp2_rank(rank: int, world_size: int, runs: list[tuple[int, list[str]]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1")
     results = []
-    for port, argv in runs:
-        os.environ["MASTER_PORT"] = str(port)
+    for index, argv in enumerate(runs):
+        os.environ["MASTER_PORT"] = str(run_port(out_dir, index, rank))
         torch._dynamo.reset()
         results.append(example.main(argv))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -163,10 +162,9 @@ def from_fsdp2_rank(rank: int, world_size: int, runs: list[tuple[int, list[str]]
 def run_from_fsdp2(*argvs: list[str], world_size: int = 2) -> list[list[float]]:
     """Rank 0's losses of each run of ``examples/from_fsdp2.py``, in one launch."""
     import torch.multiprocessing as mp
-    from dist_utils import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(_free_port(), [a.replace("{tmp}", tmp) for a in argv]) for argv in argvs]
+        runs = [[a.replace("{tmp}", tmp) for a in argv] for argv in argvs]
         mp.start_processes(from_fsdp2_rank, args=(world_size, runs, tmp),
                            nprocs=world_size, join=True, start_method="spawn")
         return torch.load(Path(tmp) / "rank0.pt")
