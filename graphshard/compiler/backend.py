@@ -312,7 +312,6 @@ class GraphshardBackend:
         every joint before it is partitioned and on inference graphs, as in
         ``torch.compile``'s Inductor backend (:func:`inductor_joint_passes`)."""
         plan = self.plan
-        joint_passes = self.inductor
         regions = region_parameter_counts(gm)  # the block regions' joints, by their inputs
 
         def run(stage: str, graph: fx.GraphModule) -> fx.GraphModule:
@@ -322,12 +321,12 @@ class GraphshardBackend:
             nonlocal plan
             n_params = regions.get(joint_primal_signature(joint)) if regions else None
             if n_params is not None:  # one block region's own joint (partitioned first)
-                if joint_passes:
+                if self.inductor:
                     joint = inductor_joint_passes(joint, joint_inputs)
                 return partition_region(joint, joint_inputs, n_params=n_params, **kwargs)
             joint = run("joint", joint)
             plan = plan_after_joint(joint, plan)  # reshard="auto" may shorten the prefetch
-            if joint_passes:
+            if self.inductor:
                 joint = inductor_joint_passes(joint, joint_inputs)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
@@ -338,7 +337,7 @@ class GraphshardBackend:
             return finish(run("bw", bw), inputs, is_backward=True)
 
         def inference_compiler(fw: fx.GraphModule, inputs: Sequence[Any]):
-            if joint_passes:  # no partition: Inductor runs them on the graph it compiles
+            if self.inductor:  # no partition: Inductor runs them on the graph it compiles
                 fw = inductor_joint_passes(fw, inputs, partitioned=False)
             return finish(run("inference", fw), inputs, is_inference=True)
 
