@@ -39,6 +39,7 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
@@ -115,23 +116,23 @@ unchecked_side_effect = getattr(
 
 # What gathering a block's parameters reads, fixed by ``shard()``: its model's index into
 # ``ROOT_STATES`` and, per submodule holding sharded parameters, (path from the block,
-# ((parameter name, its ``unshard`` arguments as a plain tuple), ...)). A served block holds
-# the index of its entry.
-_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple], ...]], ...]]
+# ((parameter name, its ``unshard`` arguments as a plain tuple, its record's index for
+# ``local_inputs.trains``), ...)). A served block holds the index of its entry.
+_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple, int], ...]], ...]]
 _BLOCK_READS: list[_Reads] = []
 _READS_ATTR = "_graphshard_block_reads"
 
 
-def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict], ...]:
-    return tuple((tuple(path.split(".")) if path else (), specs)
+def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict, dict], ...]:
+    return tuple((tuple(path.split(".")) if path else (), specs, sub.__dict__[LOCAL_INDEX_ATTR])
                  for path, sub in block.named_modules()
                  if (specs := sub.__dict__.get("_graphshard_specs")))
 
 
 def _register_reads(state_index: int, layout: tuple) -> int:
-    reads = (state_index, tuple((path, tuple((name, tuple(spec)) for name, (_, spec)
-                                              in specs.items()))
-                                for path, specs in layout))
+    reads = (state_index, tuple((path, tuple((name, tuple(spec), local[name])
+                                             for name, (_, spec) in specs.items()))
+                                for path, specs, local in layout))
     _BLOCK_READS.append(reads)
     return len(_BLOCK_READS) - 1
 
@@ -161,9 +162,12 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         for name in path:
             sub = getattr(sub, name)
         params = {}
-        for name, spec in reads:
+        for name, spec, local in reads:
             if plain:
-                shard = sub._parameters[name].to_local()
+                if trains(local):  # a plain leaf in place of the DTensor (api.local_inputs)
+                    shard = sub.__dict__["_graphshard_specs"][name][0].local
+                else:
+                    shard = sub._parameters[name].to_local()
                 if shard.is_meta:  # the attribute raises the error that says what to do
                     full = getattr(sub, name)
                 elif shard.requires_grad:

@@ -44,6 +44,7 @@ from graphshard.api.block_regions import (
 )
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
+from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, register_local, trains
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -380,8 +381,10 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
     attrs = module.__dict__
     entry = attrs["_graphshard_specs"][pname][0]
     spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
-    if state is None:
+    if state is None:  # while Dynamo traces: a trainable parameter is read as its plain leaf
         state = ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
+        if trains(attrs[LOCAL_INDEX_ATTR][pname]):
+            return read_param(entry.local, entry, spec, state.sync)
     return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
 
 
@@ -610,6 +613,8 @@ def shard(
             owners.setdefault(id(sub), (sub, []))[1].append(pname)
 
     state_index = _register_state(module, state)
+    # what compiled graphs read in place of each DTensor parameter (api.local_inputs)
+    local_index = {id(entry): register_local(entry) for entry in state.params}
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
     run_fused_optimizers_locally(module, (entry.param for entry in state.params))
     for sub, pnames in owners.values():
@@ -637,6 +642,8 @@ def shard(
         sub._graphshard_specs = specs
         sub.__dict__[_SPEC_INDEX_ATTR] = {
             pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
+        sub.__dict__[LOCAL_INDEX_ATTR] = {
+            pname: local_index[id(entry)] for pname, (entry, _) in specs.items()}
         sub._graphshard_root_state = state
         sub.__dict__[_STATE_INDEX_ATTR] = state_index
         sub.__class__ = _sharded_class(type(sub), specs)

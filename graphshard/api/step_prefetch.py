@@ -164,24 +164,25 @@ def wait_issued() -> None:
 
 def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:
     """The model and parameter whose local shard ``shard`` is (the compiled forward gets
-    each DTensor parameter's local tensor itself)."""
+    each trainable parameter's leaf, ``ShardedParam.local``, and a frozen one's local tensor
+    itself)."""
     for attempt in range(2):
         hit = _LOCALS.get(id(shard))
         if hit is not None:
             ref = _STATES.get(hit[0])
             state = None if ref is None else ref()
             if state is not None and hit[1] < len(state.params):
-                param = state.params[hit[1]].param
-                if getattr(param, "_local_tensor", None) is shard:
+                entry = state.params[hit[1]]
+                if shard is entry.local or shard is getattr(entry.param, "_local_tensor", None):
                     return state, hit[1]
         if attempt == 0:
             _LOCALS.clear()
             for sid, ref in list(_STATES.items()):
                 state = ref()
                 for index, entry in enumerate(() if state is None else state.params):
-                    local = getattr(entry.param, "_local_tensor", None)
-                    if local is not None:
-                        _LOCALS[id(local)] = (sid, index)
+                    for local in (entry.local, getattr(entry.param, "_local_tensor", None)):
+                        if local is not None:
+                            _LOCALS[id(local)] = (sid, index)
     return None
 
 

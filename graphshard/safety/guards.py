@@ -30,6 +30,7 @@ Installed by :func:`graphshard.shard` through :func:`after_shard`:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from graphshard.errors import ShardedModelError
 from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = [
-    "collect_originals", "after_shard", "refuse_unsharded_parameters", "ShardedModelError",
+    "collect_originals", "after_shard", "on_new_storage", "refuse_unsharded_parameters",
+    "ShardedModelError",
 ]
 
 
@@ -118,6 +120,7 @@ def _guard_class(cls: type) -> None:
             new = self._parameters[pname]
             if new is not old:
                 _follow(self, pname, entries[pname], old, new)
+            _new_storage(entries[pname])  # a swap keeps the Parameter object
         return out
 
     cls.__setattr__ = __setattr__
@@ -157,6 +160,23 @@ def _same_layout(old: nn.Parameter, new: Any) -> bool:
     )
 
 
+# Called with a parameter's record whenever its parameter may hold new storage (a swap, a
+# replacement): what is built on that storage follows (graphshard.api.local_inputs).
+_STORAGE_LISTENERS: list[Callable[[Any], None]] = []
+
+
+def on_new_storage(listener: Callable[[Any], None]) -> None:
+    """Call ``listener(record)`` from now on whenever a sharded parameter may have been given
+    new storage by ``.to()``, ``to_empty()`` or an accepted replacement (once per listener)."""
+    if listener not in _STORAGE_LISTENERS:
+        _STORAGE_LISTENERS.append(listener)
+
+
+def _new_storage(entry: Any) -> None:
+    for listener in _STORAGE_LISTENERS:
+        listener(entry)
+
+
 def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: nn.Parameter):
     """Re-point the sharding record from ``old`` to ``new``, keeping tied parameters tied."""
     if entry.param is old:  # the first owner to change: the record follows
@@ -164,6 +184,7 @@ def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: n
             if getattr(old, hooks, None):
                 setattr(new, hooks, getattr(old, hooks))
         entry.param = new
+        _new_storage(entry)
     module._parameters[pname] = entry.param  # a tied owner shares that one Parameter
 
 

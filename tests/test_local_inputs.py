@@ -1,0 +1,172 @@
+"""Trainable sharded parameters enter the compiled graphs as plain leaves
+(``graphshard.api.local_inputs``): no DTensor work in a compiled forward and backward, and
+the parameter's ``.grad`` and hooks behave as autograd's own accumulation gives them, through
+freezing, accumulation and new storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import graphshard
+from graphshard.models.llama import Llama, llama_config
+
+CFG = llama_config("tiny", tie_embeddings=True)
+
+
+def _pair():
+    """The same sharded model twice: compiled with graphshard, and eager (the reference,
+    whose gradients reach the DTensor parameters through autograd itself)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(graphshard.shard(Llama(CFG)))
+    compiled, eager = models
+    return compiled, torch.compile(compiled, backend=graphshard.backend()), eager
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _backward(run, tokens: torch.Tensor) -> float:
+    loss = run(tokens).loss
+    loss.backward()
+    return loss.item()
+
+
+def _assert_grads_match(model, reference) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=name)
+
+
+def test_a_compiled_step_runs_no_dtensor_dispatch(one_rank):
+    """Forward and backward of a warm compiled step dispatch nothing through DTensor (its
+    inputs and gradients are plain tensors; before, each parameter's gradient was wrapped
+    into a DTensor and detached through DTensor's dispatch), and the gradients are a DTensor
+    on each parameter's own layout, equal to the eager model's."""
+    model, run, eager = _pair()
+    for seed in range(2):
+        _backward(run, _batch(seed))
+        model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _backward(run, _batch(5))
+    dispatched = [e.name for e in prof.events() if e.name == "PythonSubclass"]
+    assert dispatched == []
+    _backward(eager, _batch(5))
+    _assert_grads_match(model, eager)
+
+
+def test_parameter_hooks_run_as_autograd_runs_them(one_rank):
+    """A tensor hook on a parameter changes its gradient, and a post-accumulate-grad hook
+    sees ``.grad`` in place, once per backward (both run by autograd in the eager model)."""
+    model, run, eager = _pair()
+    seen = {"compiled": [], "eager": []}
+    for which, m in (("compiled", model), ("eager", eager)):
+        wq = m.layers[0].attention.wq.weight
+        wq.register_hook(lambda grad: grad * 3)
+        w2 = m.layers[1].feed_forward.w2.weight
+        w2.register_post_accumulate_grad_hook(
+            lambda p, which=which: seen[which].append(p.grad.full_tensor().norm().item()))
+    for seed in range(2):  # the second backward accumulates into the first's .grad
+        _backward(run, _batch(seed))
+        _backward(eager, _batch(seed))
+    _assert_grads_match(model, eager)
+    assert len(seen["compiled"]) == 2
+    torch.testing.assert_close(torch.tensor(seen["compiled"]), torch.tensor(seen["eager"]))
+
+
+def test_freezing_and_unfreezing_after_compiling(one_rank):
+    """``requires_grad_(False)`` after the first compiled step: that parameter gets no
+    gradient and the optimizer leaves it alone; set back to True, it trains again. Step by
+    step as the eager model."""
+    model, run, eager = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+
+    def step(seed: int) -> None:
+        for r in (run, eager):
+            _backward(r, _batch(seed))
+        _assert_grads_match(model, eager)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    step(0)
+    frozen = [m.layers[1].attention.wv.weight for m in (model, eager)]
+    before = frozen[0].full_tensor().clone()
+    for p in frozen:
+        p.requires_grad_(False)
+    step(1)
+    step(2)
+    torch.testing.assert_close(frozen[0].full_tensor(), before, rtol=0, atol=0)
+    for p in frozen:
+        p.requires_grad_(True)
+    step(3)
+    assert not torch.equal(frozen[0].full_tensor(), before)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        # Adam's first steps scale compiled-vs-eager round-off in the gradients up to ~lr
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("renew", ["to_empty", "assign"])
+def test_the_compiled_model_reads_parameters_given_new_storage(one_rank, renew):
+    """After a compiled step, the parameters get new storage (``to_empty`` then values
+    copied in, or ``load_state_dict(assign=True)`` of new DTensor Parameters): the next
+    compiled step computes with the new values, as the eager model does."""
+    model, run, eager = _pair()
+    _backward(run, _batch(0))
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    first = {}  # every name of a parameter (tied ones too) -> its first name
+    for name, p in eager.named_parameters(remove_duplicate=False):
+        first[name] = next(n for n, q in eager.named_parameters() if q is p)
+    values = {name: p.full_tensor() * 0.5 + 0.01 * torch.randn(p.shape)
+              for name, p in eager.named_parameters()}
+    for m in (model, eager):
+        targets = dict(m.named_parameters(remove_duplicate=False))
+        if renew == "to_empty" or m is eager:
+            if renew == "to_empty":
+                buffers = {name: b.clone() for name, b in m.named_buffers()}
+                m.to_empty(device="cpu")
+                with torch.no_grad():
+                    for name, b in m.named_buffers():
+                        b.copy_(buffers[name])
+            with torch.no_grad():
+                for name, full in values.items():
+                    targets[name].to_local().copy_(full)  # world 1: the shard is the whole
+        else:  # new Parameters under every name, tied names given equal values
+            new = {name: torch.nn.Parameter(DTensor.from_local(
+                values[first[name]].clone(), p.device_mesh, p.placements))
+                for name, p in targets.items()}
+            m.load_state_dict(new, assign=True)
+    assert _backward(run, _batch(1)) == pytest.approx(_backward(eager, _batch(1)), rel=1e-5)
+    _assert_grads_match(model, eager)
+
+
+def test_a_parameter_frozen_before_sharding_trains_once_unfrozen(one_rank):
+    """Frozen before ``shard()``, a parameter is read through its DTensor; set trainable
+    after a compiled step, it gets its gradient like the eager model's."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        plain = Llama(CFG)
+        plain.layers[0].feed_forward.w1.weight.requires_grad_(False)
+        models.append(graphshard.shard(plain))
+    model, eager = models
+    run = torch.compile(model, backend=graphshard.backend())
+    _backward(run, _batch(0))
+    _backward(eager, _batch(0))
+    _assert_grads_match(model, eager)
+    assert model.layers[0].feed_forward.w1.weight.grad is None
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        m.layers[0].feed_forward.w1.weight.requires_grad_(True)
+    _backward(run, _batch(1))
+    _backward(eager, _batch(1))
+    assert model.layers[0].feed_forward.w1.weight.grad is not None
+    _assert_grads_match(model, eager)
