@@ -45,8 +45,8 @@ class ShardedParam:
     armed: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
     folding: bool = False
     tp: TPLayout | None = None  # under tensor parallelism: how to re-wrap the gathered piece
-    # A plain leaf sharing the local shard's storage: what compiled graphs read, its
-    # gradient handed to ``param.grad`` (graphshard.api.local_inputs).
+    # A plain tensor over the local shard's storage, autograd-linked to ``param``: what
+    # compiled graphs read for a trainable parameter (graphshard.api.local_inputs).
     local: torch.Tensor | None = None
 
 

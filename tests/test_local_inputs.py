@@ -1,7 +1,7 @@
-"""Trainable sharded parameters enter the compiled graphs as plain leaves
-(``graphshard.api.local_inputs``): no DTensor work in a compiled forward and backward, and
-the parameter's ``.grad`` and hooks behave as autograd's own accumulation gives them, through
-freezing, accumulation and new storage."""
+"""Trainable sharded parameters enter the compiled graphs as plain tensors
+(``graphshard.api.local_inputs``): no DTensor guards or gradient wrapping in a compiled step,
+while the parameters' ``.grad``, hooks, ``autograd.grad`` and ``backward(inputs=...)`` behave
+as for the eager model, through freezing, accumulation and new storage."""
 
 from __future__ import annotations
 
@@ -45,20 +45,45 @@ def _assert_grads_match(model, reference) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=name)
 
 
-def test_a_compiled_step_runs_no_dtensor_dispatch(one_rank):
-    """Forward and backward of a warm compiled step dispatch nothing through DTensor (its
-    inputs and gradients are plain tensors; before, each parameter's gradient was wrapped
-    into a DTensor and detached through DTensor's dispatch), and the gradients are a DTensor
-    on each parameter's own layout, equal to the eager model's."""
+def test_a_compiled_step_builds_no_dtensor_spec(one_rank, monkeypatch):
+    """A warm compiled forward and backward build no DTensor from its flattened parts (its
+    inputs and gradients are plain tensors; before, AOTAutograd rebuilt every parameter's
+    gradient with ``DTensor.__tensor_unflatten__``), and the gradients are a DTensor on each
+    parameter's own layout, equal to the eager model's."""
     model, run, eager = _pair()
     for seed in range(2):
         _backward(run, _batch(seed))
         model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _backward(run, _batch(5))
-    dispatched = [e.name for e in prof.events() if e.name == "PythonSubclass"]
-    assert dispatched == []
+    built = []
+    unflatten = DTensor.__tensor_unflatten__
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return unflatten(*args, **kwargs)
+
+    monkeypatch.setattr(DTensor, "__tensor_unflatten__", staticmethod(counted))
+    _backward(run, _batch(5))
+    monkeypatch.undo()
+    assert built == []
     _backward(eager, _batch(5))
+    _assert_grads_match(model, eager)
+
+
+def test_autograd_grad_and_backward_inputs_reach_the_parameters(one_rank):
+    """``torch.autograd.grad(loss, params)`` and ``loss.backward(inputs=params)`` on the
+    compiled model give the eager model's gradients (the plain tensors stay linked to the
+    parameters in autograd's graph)."""
+    model, run, eager = _pair()
+    _backward(run, _batch(0))
+    model.zero_grad(set_to_none=True)
+    grads = torch.autograd.grad(run(_batch(1)).loss, list(model.parameters()))
+    wanted = torch.autograd.grad(eager(_batch(1)).loss, list(eager.parameters()))
+    for got, want in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(got.full_tensor(), want.full_tensor())
+    some = [model.layers[0].attention.wq.weight, model.norm.weight]
+    run(_batch(2)).loss.backward(inputs=some)
+    eager_some = [eager.layers[0].attention.wq.weight, eager.norm.weight]
+    eager(_batch(2)).loss.backward(inputs=eager_some)
     _assert_grads_match(model, eager)
 
 
