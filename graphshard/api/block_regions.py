@@ -164,7 +164,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         params = {}
         for name, spec, local in reads:
             if plain:
-                if trains(local):  # a plain leaf in place of the DTensor (api.local_inputs)
+                if trains(local):  # a plain tensor in place of the DTensor (api.local_inputs)
                     shard = sub.__dict__["_graphshard_specs"][name][0].local
                 else:
                     shard = sub._parameters[name].to_local()

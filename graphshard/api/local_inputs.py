@@ -69,8 +69,8 @@ def register_local(entry: ShardedParam) -> int:
 def _fresh(entry: ShardedParam) -> bool:
     """Whether ``entry.local`` is still made from its parameter as it is now: the same
     Parameter, storage, layout and ``requires_grad``."""
-    local, param = entry.local, entry.param
-    if local is None or not isinstance(param, DTensor):
+    local, param = entry.local, entry.param  # param: a DTensor (attach_local checks)
+    if local is None:
         return False
     shard = param._local_tensor
     return (  # one storage (its C++ object: no data pointer to read on meta or fake tensors)

@@ -381,7 +381,7 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
     attrs = module.__dict__
     entry = attrs["_graphshard_specs"][pname][0]
     spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
-    if state is None:  # while Dynamo traces: a trainable parameter is read as its plain leaf
+    if state is None:  # while Dynamo traces: a trainable parameter is read as its plain local
         state = ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
         if trains(attrs[LOCAL_INDEX_ATTR][pname]):
             return read_param(entry.local, entry, spec, state.sync)

@@ -164,8 +164,8 @@ def wait_issued() -> None:
 
 def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:
     """The model and parameter whose local shard ``shard`` is (the compiled forward gets
-    each trainable parameter's leaf, ``ShardedParam.local``, and a frozen one's local tensor
-    itself)."""
+    each trainable parameter's plain tensor, ``ShardedParam.local``, and a frozen one's local
+    tensor itself)."""
     for attempt in range(2):
         hit = _LOCALS.get(id(shard))
         if hit is not None:
