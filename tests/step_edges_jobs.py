@@ -19,6 +19,8 @@ returns rank-mean losses, the full state and the prefetch counts. Scenarios:
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from dist_utils import full_state
@@ -177,8 +179,35 @@ def profile_step(rank: int, world_size: int) -> dict:
     return {"events": events, "stats": step_prefetch.stats()}
 
 
+LEFTOVER_JOB = ("sgd", "fp32", "accum", True)
+
+
+def train_beside_a_leftover(rank: int, world_size: int) -> dict:
+    """:data:`LEFTOVER_JOB` while an earlier model of the same shape is still alive on rank 0
+    only, with the gathers its last step issued never taken (as when one rank's garbage
+    collector has not reached it yet). The job's first forward runs under ``no_sync``, whose
+    graph gets its parameters detached by AOTAutograd: it must still find its own model,
+    and no rank may take the earlier model's gathers."""
+    torch._dynamo.reset()
+    old = graphshard.shard(build())
+    run = torch.compile(old, backend=graphshard.backend(step_prefetch=True))
+    opt = _optimizer("sgd", old)
+    for step in range(2):
+        run(batch(step, 0, rank)).loss.backward()
+        opt.step()  # the last one issues gathers no forward takes
+        opt.zero_grad()
+    kept = [old, run, opt] if rank == 0 else []
+    del old, run, opt
+    gc.collect()
+    out = train_sharded(rank, world_size, *LEFTOVER_JOB)
+    kept.clear()
+    return out
+
+
 def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict:
-    """Entry point of each rank: every training job in turn, then the profiled step."""
+    """Entry point of each rank: every training job in turn, the job beside a leftover
+    model, then the profiled step."""
     out = {job: train_sharded(rank, world_size, *job) for job in jobs}
+    out["leftover"] = train_beside_a_leftover(rank, world_size)
     out["profile"] = profile_step(rank, world_size)
     return out

@@ -19,7 +19,7 @@ import torch
 from dist_utils import run_ranks
 from graph_utils import TwoBlock, c10d, calls, fake_process_group, schedule_string
 from parity import assert_matches
-from step_edges_jobs import STEPS, run_jobs, train_reference
+from step_edges_jobs import LEFTOVER_JOB, STEPS, run_jobs, train_reference
 
 import graphshard
 from graphshard.analysis.report import step_summary
@@ -265,6 +265,19 @@ def test_forward_gathers_fresh_or_prefetched(world2, case):
         assert stats["issued"] == 2 * STEPS
         assert stats["split_steps"] == (0 if opt == "global_norm" else STEPS)
         assert rank[(*case, False)]["stats"] == dict.fromkeys(stats, 0)
+
+
+def test_a_leftover_models_gathers_are_not_taken_by_another(world2):
+    """A model of the same shape still alive on one rank, its last step's gathers pending:
+    the next model trains as it does alone (before, its ``no_sync`` forward, whose
+    parameters AOTAutograd detaches, found no model and took the leftover's gathers on that
+    rank only, so the ranks ran different collectives and hung)."""
+    for rank in world2:
+        alone, beside = rank[LEFTOVER_JOB], rank["leftover"]
+        assert beside["losses"] == alone["losses"]
+        assert beside["stats"] == alone["stats"]
+        for key, value in alone["state"].items():
+            assert torch.equal(beside["state"][key], value), key
 
 
 def test_an_optimizer_that_is_not_per_parameter_steps_whole(world2):

@@ -113,7 +113,8 @@ class _Slot:
 
 
 _STATES: dict[int, weakref.ref[ShardState]] = {}
-_LOCALS: dict[int, tuple[int, int]] = {}  # id(local shard) -> (id(state), index)
+# (storage, offset, shape) of a local shard -> (id(state), index)
+_LOCALS: dict[tuple[int, int, tuple[int, ...]], tuple[int, int]] = {}
 _RECIPES: dict[tuple[int, str], _Recipe] = {}  # (id(state), key), in first-use order
 _SLOTS: dict[tuple[int, str], _Slot] = {}
 _LEAD: dict[int, str] = {}  # id(state) -> the lead of the first forward after a step
@@ -162,27 +163,41 @@ def wait_issued() -> None:
         slot.work.wait()
 
 
+def _where(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """A tensor's storage (its C++ object), offset in it and shape: the same for an alias
+    made by ``detach()``, which is a different Python object."""
+    return tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _where(a) == _where(b) and a.dtype == b.dtype and a.stride() == b.stride()
+
+
 def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:
-    """The model and parameter whose local shard ``shard`` is (the compiled forward gets
-    each trainable parameter's plain tensor, ``ShardedParam.local``, and a frozen one's local
-    tensor itself)."""
+    """The model and parameter whose local shard ``shard`` is. The compiled forward gets
+    each trainable parameter's plain tensor (``ShardedParam.local``) or a frozen one's local
+    tensor, or an alias of either over the same storage: AOTAutograd detaches an input whose
+    gradient the graph never needs (the parameters under ``no_sync``), so an object's
+    identity does not say which parameter it is; its storage, offset and layout do."""
+    where = _where(shard)
     for attempt in range(2):
-        hit = _LOCALS.get(id(shard))
+        hit = _LOCALS.get(where)
         if hit is not None:
             ref = _STATES.get(hit[0])
             state = None if ref is None else ref()
             if state is not None and hit[1] < len(state.params):
                 entry = state.params[hit[1]]
-                if shard is entry.local or shard is getattr(entry.param, "_local_tensor", None):
-                    return state, hit[1]
+                for local in (entry.local, getattr(entry.param, "_local_tensor", None)):
+                    if local is not None and _same_layout(shard, local):
+                        return state, hit[1]
         if attempt == 0:
             _LOCALS.clear()
             for sid, ref in list(_STATES.items()):
                 state = ref()
                 for index, entry in enumerate(() if state is None else state.params):
-                    for local in (entry.local, getattr(entry.param, "_local_tensor", None)):
-                        if local is not None:
-                            _LOCALS[id(local)] = (sid, index)
+                    local = getattr(entry.param, "_local_tensor", None)
+                    if local is not None:  # entry.local shares its storage and offset
+                        _LOCALS[_where(local)] = (sid, index)
     return None
 
 
@@ -211,14 +226,10 @@ def _drain(slot: _Slot) -> None:
 
 
 def _find_slot(sid: int | None, key: str) -> _Slot | None:
-    """Take this gather's slot; without a located model, any slot of this gather (every
-    rank then still finds one, and its check holds or fails on the bits alone)."""
-    if sid is not None:
-        return _SLOTS.pop((sid, key), None)
-    for k in list(_SLOTS):
-        if k[1] == key:
-            return _SLOTS.pop(k)
-    return None
+    """Take this model's slot of this gather. Without a located model, none: a slot of the
+    same key may be another model's (one not yet collected on some ranks only), and every
+    rank must decide alike whether it takes one, since taking one is a collective."""
+    return None if sid is None else _SLOTS.pop((sid, key), None)
 
 
 def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
