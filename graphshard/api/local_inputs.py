@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
-__all__ = ["LOCAL_INDEX_ATTR", "attach_local", "register_local", "trains"]
+__all__ = ["LOCAL_INDEX_ATTR", "attach_local", "register_local", "same_view", "trains"]
 
 # On a sharded module: parameter name -> its record's index for :func:`trains`.
 LOCAL_INDEX_ATTR = "_graphshard_local_index"
@@ -66,21 +66,28 @@ def register_local(entry: ShardedParam) -> int:
     return len(_RECORDS) - 1
 
 
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view one storage (its C++ object: no data pointer to read on
+    meta or fake tensors) the same way: offset, dtype, shape and strides. True of a tensor
+    and its ``detach()``, which are different Python objects."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
 def _fresh(entry: ShardedParam) -> bool:
     """Whether ``entry.local`` is still made from its parameter as it is now: the same
     Parameter, storage, layout and ``requires_grad``."""
     local, param = entry.local, entry.param  # param: a DTensor (attach_local checks)
-    if local is None:
-        return False
-    shard = param._local_tensor
-    return (  # one storage (its C++ object: no data pointer to read on meta or fake tensors)
-        getattr(local, _MADE_FROM, None) == id(param)
+    return (
+        local is not None
+        and getattr(local, _MADE_FROM, None) == id(param)
         and local.requires_grad == param.requires_grad
-        and local.untyped_storage()._cdata == shard.untyped_storage()._cdata
-        and local.storage_offset() == shard.storage_offset()
-        and local.dtype == shard.dtype
-        and local.shape == shard.shape
-        and local.stride() == shard.stride()
+        and same_view(local, param._local_tensor)
     )
 
 

@@ -43,6 +43,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from graphshard.api.local_inputs import same_view
 from graphshard.records import ShardedParam, ShardState
 
 __all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending", "wait_issued"]
@@ -169,16 +170,13 @@ def _where(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
     return tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape)
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _where(a) == _where(b) and a.dtype == b.dtype and a.stride() == b.stride()
-
-
 def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:
     """The model and parameter whose local shard ``shard`` is. The compiled forward gets
     each trainable parameter's plain tensor (``ShardedParam.local``) or a frozen one's local
     tensor, or an alias of either over the same storage: AOTAutograd detaches an input whose
     gradient the graph never needs (the parameters under ``no_sync``), so an object's
-    identity does not say which parameter it is; its storage, offset and layout do."""
+    identity does not say which parameter it is; its storage, offset and layout do (all of
+    them view the local shard: ``entry.local`` is made over its storage)."""
     where = _where(shard)
     for attempt in range(2):
         hit = _LOCALS.get(where)
@@ -186,17 +184,16 @@ def _locate(shard: torch.Tensor) -> tuple[ShardState, int] | None:
             ref = _STATES.get(hit[0])
             state = None if ref is None else ref()
             if state is not None and hit[1] < len(state.params):
-                entry = state.params[hit[1]]
-                for local in (entry.local, getattr(entry.param, "_local_tensor", None)):
-                    if local is not None and _same_layout(shard, local):
-                        return state, hit[1]
+                local = getattr(state.params[hit[1]].param, "_local_tensor", None)
+                if local is not None and same_view(shard, local):
+                    return state, hit[1]
         if attempt == 0:
             _LOCALS.clear()
             for sid, ref in list(_STATES.items()):
                 state = ref()
                 for index, entry in enumerate(() if state is None else state.params):
                     local = getattr(entry.param, "_local_tensor", None)
-                    if local is not None:  # entry.local shares its storage and offset
+                    if local is not None:
                         _LOCALS[_where(local)] = (sid, index)
     return None
 
