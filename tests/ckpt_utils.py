@@ -9,7 +9,6 @@ grace period after the first rank exits), so a test never hangs.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_utils import in_launch_env, rank_context
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -85,12 +85,13 @@ def launch(
         deadline_s: ranks still running after this many seconds are killed.
         grace_s: once one rank has exited, the others get this long before they are killed.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_rank_entry,
-                        args=(r, world_size, store, tmp, pg_timeout_s, fn, args))
+            ctx.Process(target=in_launch_env,
+                        args=(r, dict(os.environ), _rank_entry, world_size, store, tmp,
+                              pg_timeout_s, fn, args))
             for r in range(world_size)
         ]
         for p in procs:

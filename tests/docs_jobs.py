@@ -2,7 +2,7 @@
 
 A fenced block whose info string is ``python`` plus tags is an example:
 
-- ``python runnable``: run on 2 gloo ranks (one launch of spawned processes for every block).
+- ``python runnable``: run on 2 gloo ranks (one launch of rank processes for every block).
   A block that calls ``init_process_group`` is a complete program: it runs with torchrun's
   environment set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and no
   process group. Any other block runs with the default process group already up and these
@@ -129,12 +129,11 @@ def run_blocks_rank(rank: int, world_size: int, blocks: list[Block], out_dir: st
 
 
 def run_blocks(blocks: list[Block], world_size: int = 2) -> list[list[tuple[str, float]]]:
-    """Run ``blocks`` on ``world_size`` ranks in one launch of spawned processes."""
-    import torch.multiprocessing as mp
+    """Run ``blocks`` on ``world_size`` ranks in one launch of rank processes."""
+    from dist_utils import start_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run_blocks_rank, args=(world_size, blocks, tmp),
-                           nprocs=world_size, join=True, start_method="spawn")
+        start_ranks(run_blocks_rank, world_size, world_size, blocks, tmp)
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -161,10 +160,9 @@ def from_fsdp2_rank(rank: int, world_size: int, runs: list[list[str]], out_dir: 
 
 def run_from_fsdp2(*argvs: list[str], world_size: int = 2) -> list[list[float]]:
     """Rank 0's losses of each run of ``examples/from_fsdp2.py``, in one launch."""
-    import torch.multiprocessing as mp
+    from dist_utils import start_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = [[a.replace("{tmp}", tmp) for a in argv] for argv in argvs]
-        mp.start_processes(from_fsdp2_rank, args=(world_size, runs, tmp),
-                           nprocs=world_size, join=True, start_method="spawn")
+        start_ranks(from_fsdp2_rank, world_size, world_size, runs, tmp)
         return torch.load(Path(tmp) / "rank0.pt")

@@ -15,8 +15,12 @@ README = ROOT / "README.md"
 def test_readme_is_a_front_page():
     assert README.stat().st_size < 12 * 1024, "README.md must stay under 12 KB: move text to docs/"
     text = README.read_text()
-    # .ci/run runs README's test command: keep these lines exactly
-    assert 'pip install torch==2.13.0 -e ".[test]" && pytest -q' in text
+    # .ci/run runs README's test command: the same install and the same pytest options
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q torch==2.13.0 -e ".[test]"' in ci
+    (pytest_line,) = [line for line in ci.splitlines() if line.startswith("python3 -m pytest")]
+    options = pytest_line.removeprefix("python3 -m pytest")
+    assert f'pip install torch==2.13.0 -e ".[test]" && pytest{options}\n' in text
     assert ("pip install torch==2.13.0 -e . && torchrun --nproc-per-node 2 "
             "examples/train_llama.py") in text
     assert "pip install --no-deps -e ." in text and "python -m pytest -q tests/gpu" in text
