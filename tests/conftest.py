@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Records this environment as the one the ranks' fork server starts in (before any test runs).
+import dist_utils  # noqa: E402,F401
 
 
 @pytest.fixture

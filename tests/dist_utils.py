@@ -9,6 +9,7 @@ launching test as it is at the launch (:func:`in_launch_env`)."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import tempfile
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "torch._inductor.compile_fx", "graphshard"]
 START_METHOD = "forkserver"
+_COLLECTION_ENV = dict(os.environ)
 
 
 def rank_context() -> multiprocessing.context.BaseContext:
@@ -33,6 +35,16 @@ def rank_context() -> multiprocessing.context.BaseContext:
     state, no compiled graphs."""
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(PRELOAD)
+    # Start the server (once) in the environment of collection time: what torch reads from
+    # the environment at import must not depend on which test happened to launch first.
+    launching = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_COLLECTION_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(launching)
     return context
 
 
