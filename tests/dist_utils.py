@@ -70,6 +70,10 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, fn, ar
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
+    # No rank may finish (and close its connections) while another is still connecting its
+    # gloo mesh: a job without collectives, whose ranks start at different times, otherwise
+    # fails there with "connectFullMesh failed ... Connection closed by peer".
+    dist.barrier()
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
