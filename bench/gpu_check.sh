@@ -5,7 +5,8 @@
 # that a slow stage cannot eat the ones after it. Results and logs go to $OUT (default
 # gpu_out/); a stage that ran out of time says so in summary.txt and the next one starts.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh          # at most 9 minutes, install included
+#   OUT=/some/dir bash bench/gpu_check.sh          # at most 9.5 minutes, install included
+#   TIER_S=300 BENCH1_S=200 bash bench/gpu_check.sh   # other limits per stage (seconds)
 #   STAGES="tier bench1" bash bench/gpu_check.sh   # some stages only
 #
 # Stages (in order):
@@ -17,6 +18,7 @@
 #            SimpleFSDP's block bucketing (where torchtitan is installed) and FSDP2
 # The bench rows record each system's first step too (`compile s`, a cold Inductor cache).
 set -u
+export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"tier bench1 bench8"}
@@ -46,14 +48,18 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, note how it en
     echo "$name: $how after $((SECONDS - start)) s" >> "$summary"
 }
 
-stage tier 180 python -m pytest -q -p no:cacheprovider tests/gpu \
+# The tier's cases are independent (each module's group lives in its worker), so pytest-xdist,
+# where installed, spreads them over processes that compile side by side.
+workers=()
+python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
+stage tier "${TIER_S:-200}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
     --junitxml="$OUT/tier.xml"
-stage bench1 180 python -m bench.step --device cuda --world-size 1 --model llama-1b \
+stage bench1 "${BENCH1_S:-170}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
     --optimizer fused --host-tax-steps 2 \
     --systems graphshard-compiled single-compiled fsdp2-compiled \
     --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
-stage bench8 180 python -m bench.step --device cuda --fake-world 8 --model llama-1b \
+stage bench8 "${BENCH8_S:-170}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
     --host-tax-steps 0 --systems graphshard-compiled \
     'graphshard-compiled[all_gather_via=coalesced,reduce_scatter_via=coalesced]' \
