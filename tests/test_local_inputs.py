@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphshard
+from graphshard.api.sharding import shard_state
 from graphshard.models.llama import Llama, llama_config
 
 CFG = llama_config("tiny", tie_embeddings=True)
@@ -66,6 +69,38 @@ def test_a_compiled_step_builds_no_dtensor_spec(one_rank, monkeypatch):
     monkeypatch.undo()
     assert built == []
     _backward(eager, _batch(5))
+    _assert_grads_match(model, eager)
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs or {}))):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_compiled_backward_sets_the_gradients_without_dtensor_ops(one_rank):
+    """A plain ``backward()`` hands every gradient to its parameter without one DTensor op
+    (before, each parameter's ``AccumulateGrad`` detached its DTensor gradient through
+    DTensor's dispatch), all through one backward node; a second backward accumulates in
+    place, and ``.grad`` equals the eager model's after both."""
+    model, run, eager = _pair()
+    _backward(run, _batch(0))
+    model.zero_grad(set_to_none=True)
+    nodes = {id(entry.local.grad_fn) for entry in shard_state(model).params}
+    assert len(nodes) == 1
+    for seed in (1, 2):
+        loss = run(_batch(seed)).loss
+        with _DTensorOps() as seen:
+            loss.backward()
+        assert seen.ops == [], seen.ops[:5]
+        _backward(eager, _batch(seed))
     _assert_grads_match(model, eager)
 
 

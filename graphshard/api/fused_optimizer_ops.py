@@ -70,10 +70,6 @@ _installed = False
 _SHARD_IDS: set[int] = set()
 
 
-def _is_shard(param: object) -> bool:
-    return id(param) in _SHARD_IDS
-
-
 def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]) -> None:
     """From now on, this process runs the fused optimizer steps of :data:`LOCAL_OPS` on the
     local tensors of ``params`` (the sharded parameters of ``root``, until ``root`` is
@@ -117,8 +113,8 @@ def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
     """The arguments with every DTensor replaced by its local tensor; None where running
     locally would not be exact, or the parameters stepped (the first list) are not all
     graphshard's."""
-    if not args or not isinstance(args[0], (list, tuple)) or not all(
-            _is_shard(p) for p in args[0]):
+    if not args or not isinstance(args[0], (list, tuple)) or not _SHARD_IDS.issuperset(
+            map(id, args[0])):
         return None
     lists: list[list | tuple] = []
     mesh = None
@@ -164,27 +160,30 @@ def _local_value(arg: Any, lists: list, mesh: Any) -> tuple[Any, Any]:
 
 def _first_dtensors(lists: list) -> list | None:
     """The first DTensor at each list position, whose spec the others there share; None
-    where they differ, hold a ``Partial``, or sit beside a plain tensor that is not 0-dim."""
+    where they differ, hold a ``Partial``, or sit beside a plain tensor that is not 0-dim.
+    Runs once per optimizer step over every tensor it steps: list by list, with a shared
+    spec object (a gradient graphshard set carries its parameter's) taken as a match."""
     if not lists:
         return None
     length = len(lists[0])
     if any(len(items) != length for items in lists):
         return None
-    firsts = []
-    for position in range(length):
-        first = None
-        for items in lists:
-            tensor = items[position]
+    firsts: list[Any] = [None] * length
+    for items in lists:
+        for position, tensor in enumerate(items):
             if isinstance(tensor, DTensor):
+                first = firsts[position]
                 if first is None:
-                    first = tensor
                     if any(p.is_partial() for p in tensor._spec.placements):
                         return None
-                elif (tensor._spec.mesh is not first._spec.mesh
-                      or tensor._spec.placements != first._spec.placements
-                      or tensor.shape != first.shape):
+                    firsts[position] = tensor
+                    continue
+                spec, first_spec = tensor._spec, first._spec
+                if spec is not first_spec and (
+                        spec.mesh is not first_spec.mesh
+                        or spec.placements != first_spec.placements
+                        or tensor.shape != first.shape):
                     return None
             elif isinstance(tensor, torch.Tensor) and tensor.dim() != 0:
                 return None
-        firsts.append(first)
     return firsts

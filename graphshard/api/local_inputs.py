@@ -13,15 +13,33 @@ step costs beyond one process's (``docs/benchmark.md``).
 
 So each trainable parameter's record (:class:`~graphshard.records.ShardedParam`) holds
 :attr:`~graphshard.records.ShardedParam.local`: a plain tensor over the local shard's
-storage, made once by :class:`_ToParameter` from the DTensor parameter, and the compiled
-graphs read it. The graph's input is then a plain tensor, and so is its gradient. Autograd
-still links it to the parameter: its backward node hands the gradient on as a DTensor on the
-parameter's own spec (built directly, not through ``from_local``), and autograd's own
-``AccumulateGrad`` of the parameter takes it from there. So everything autograd does with a
-parameter still holds: its hooks, ``.grad`` accumulation, ``torch.autograd.grad(loss,
-params)``, ``loss.backward(inputs=params)``. The node saves nothing, so it serves every
-backward, not just the first. The optimizer, ``clip_grad_norm_``, state dicts and DCP see the
-same DTensors as before; eager reads are unchanged.
+storage, made once from the DTensor parameter, and the compiled graphs read it. The graph's
+input is then a plain tensor, and so is its gradient. Autograd still links it to the
+parameter, through one backward node for all of a model's trainable parameters
+(:class:`_ToParameters`; a tensor re-made later gets a node of its own). The node saves
+nothing, so it serves every backward, not just the first.
+
+Its backward hands each gradient to the parameter in one of two ways:
+
+- **Directly**, in the common case: a plain ``loss.backward()`` (or ``inputs=`` naming the
+  parameter) without ``create_graph``, a parameter with no tensor hook and no
+  post-accumulate-grad hook, and a gradient of the shard's dtype, device and strides. The
+  node then does what autograd's ``AccumulateGrad`` would: ``.grad`` becomes a DTensor on the
+  parameter's own spec around the gradient (built directly, not through ``from_local``), or
+  the gradient is added in place to the local tensor of an existing ``.grad`` on that spec.
+  This skips, per parameter and step, a Python call of the node and ``AccumulateGrad``'s
+  ``detach()`` of a DTensor (a Python dispatch): most of what the gradients cost the host at
+  world 1 (``docs/benchmark.md``).
+- **Through autograd** otherwise: the node returns the DTensor and the parameter's own
+  ``AccumulateGrad`` takes it from there, so everything autograd does with a parameter
+  still holds: its hooks, ``torch.autograd.grad(loss, params)``, ``create_graph``.
+
+The one difference: a hook registered on a parameter's ``AccumulateGrad`` node itself
+(``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as DDP does internally), which
+autograd offers no way to see, does not run in the direct case. Register it on the
+parameter (``register_hook`` or ``register_post_accumulate_grad_hook``) instead: either one
+turns the direct path off for that parameter. The optimizer, ``clip_grad_norm_``, state
+dicts and DCP see the same DTensors as before; eager reads are unchanged.
 
 The tensor follows its parameter:
 
@@ -43,13 +61,14 @@ import weakref
 from typing import Any
 
 import torch
+from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
-__all__ = ["LOCAL_INDEX_ATTR", "attach_local", "register_local", "same_view", "trains"]
+__all__ = ["LOCAL_INDEX_ATTR", "attach_local", "register_locals", "same_view", "trains"]
 
 # On a sharded module: parameter name -> its record's index for :func:`trains`.
 LOCAL_INDEX_ATTR = "_graphshard_local_index"
@@ -59,11 +78,24 @@ LOCAL_INDEX_ATTR = "_graphshard_local_index"
 _RECORDS: list[weakref.ref] = []
 
 
-def register_local(entry: ShardedParam) -> int:
-    """Give ``entry`` its plain tensor and an index for :func:`trains`."""
-    attach_local(entry)
-    _RECORDS.append(weakref.ref(entry))
-    return len(_RECORDS) - 1
+def register_locals(entries: list[ShardedParam]) -> list[int]:
+    """Give each of ``entries`` (one model's records) its plain tensor, the trainable ones
+    through one backward node, and an index for :func:`trains` each."""
+    trainable = [e for e in entries if isinstance(e.param, DTensor) and e.param.requires_grad]
+    if trainable:
+        group = _Group(trainable)
+        with torch.enable_grad():  # also where a caller (load_state_dict) disabled it
+            locals_ = _ToParameters.apply(group, *(e.param for e in trainable))
+        group.link(locals_[0].grad_fn)
+        for entry, local in zip(trainable, locals_, strict=True):
+            setattr(local, _MADE_FROM, id(entry.param))
+            entry.local = local
+    indices = []
+    for entry in entries:
+        attach_local(entry)  # the frozen ones (and any the group could not take)
+        _RECORDS.append(weakref.ref(entry))
+        indices.append(len(_RECORDS) - 1)
+    return indices
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,30 +135,97 @@ def attach_local(entry: ShardedParam) -> None:
     if _fresh(entry):
         return
     if param.requires_grad:
-        local = _ToParameter.apply(param, weakref.ref(entry))
+        group = _Group([entry])
+        with torch.enable_grad():
+            local = _ToParameters.apply(group, param)[0]
+        group.link(local.grad_fn)
     else:
         local = param._local_tensor.detach()
     setattr(local, _MADE_FROM, id(param))
     entry.local = local
 
 
-class _ToParameter(torch.autograd.Function):
-    """The parameter's local shard as a plain tensor (its storage), whose gradient goes back
-    to the parameter as a DTensor on the parameter's spec. Saves no tensor: one application
-    serves every backward."""
+class _Group:
+    """What one :class:`_ToParameters` node knows of its parameters: their records (weakly:
+    the node outlives a model), the Parameters and specs it was made from, and their
+    ``AccumulateGrad`` nodes (which the engine may or may not run in a given backward)."""
+
+    def __init__(self, entries: list[ShardedParam]) -> None:
+        self.entries = [weakref.ref(e) for e in entries]
+        self.params = [e.param for e in entries]
+        self.specs = [e.param._spec for e in entries]
+        self.accumulators: list[Any] = []
+
+    def link(self, node: Any) -> None:
+        """Record the parameters' ``AccumulateGrad`` nodes: the node's next functions (one
+        per tensor argument; the group itself has no edge)."""
+        self.accumulators = [edge[0] for edge in node.next_functions]
+
+
+class _ToParameters(torch.autograd.Function):
+    """Parameters' local shards as plain tensors (their storage), one node for all of them,
+    whose gradients go back to the parameters on their own specs (module docstring). Saves
+    no tensor: one application serves every backward."""
 
     @staticmethod
-    def forward(ctx: Any, param: DTensor, entry_ref: weakref.ref) -> torch.Tensor:
-        ctx.spec, ctx.entry_ref = param._spec, entry_ref
-        return param._local_tensor.detach()
+    def forward(ctx: Any, group: _Group, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.set_materialize_grads(False)  # a parameter without a gradient gets none
+        return tuple(p._local_tensor.detach() for p in params)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
-        entry = ctx.entry_ref()
-        if entry is not None and not entry.param.requires_grad:
-            attach_local(entry)  # frozen since the trace: retrace at the next call
-            return None, None
-        return DTensor(grad, ctx.spec, requires_grad=False), None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        group = ctx.group
+        direct = _direct_possible()
+        out: list[Any] = [None]  # the group argument
+        for i, grad in enumerate(grads):
+            if grad is None:
+                out.append(None)
+                continue
+            entry, param, spec = group.entries[i](), group.params[i], group.specs[i]
+            if entry is not None and entry.param is param and not param.requires_grad:
+                attach_local(entry)  # frozen since the trace: retrace at the next call
+                out.append(None)
+            elif direct and _accumulate(param, spec, grad, group.accumulators[i]):
+                out.append(None)
+            else:
+                out.append(DTensor(grad, spec, requires_grad=False))
+        return tuple(out)
+
+
+def _direct_possible() -> bool:
+    """Whether this backward may set ``.grad`` itself: no graph of the gradients is being
+    built (``create_graph``) and compiled autograd is not tracing the backward."""
+    if torch.is_grad_enabled():
+        return False
+    tracing = getattr(compiled_autograd, "in_compiled_autograd_region", False)
+    return not (tracing() if callable(tracing) else tracing)  # a function in some releases
+
+
+def _accumulate(param: DTensor, spec: Any, grad: torch.Tensor, accumulator: Any) -> bool:
+    """Do for ``param`` what its ``AccumulateGrad`` would do with ``grad`` (a plain tensor
+    on ``spec``), where nothing but that node would see the difference; False (and nothing
+    done) where autograd must do it."""
+    if param._backward_hooks or param._post_accumulate_grad_hooks is not None:
+        return False
+    try:
+        if not torch._C._will_engine_execute_node(accumulator):
+            return False  # backward(inputs=...) without this parameter
+    except RuntimeError:
+        return False  # torch.autograd.grad: the engine captures the gradient instead
+    local = param._local_tensor
+    if grad.dtype != local.dtype or grad.device != local.device or grad.shape != local.shape:
+        return False
+    current = param.grad
+    if current is None:
+        if grad.stride() != local.stride():
+            return False  # AccumulateGrad would copy it into the parameter's layout
+        param.grad = DTensor(grad, spec, requires_grad=False)
+        return True
+    if type(current) is DTensor and current._spec is spec:
+        current._local_tensor.add_(grad)
+        return True
+    return False
 
 
 @torch.compiler.assume_constant_result

@@ -44,7 +44,7 @@ from graphshard.api.block_regions import (
 )
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
-from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, register_local, trains
+from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, register_locals, trains
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -614,7 +614,7 @@ def shard(
 
     state_index = _register_state(module, state)
     # what compiled graphs read in place of each DTensor parameter (api.local_inputs)
-    local_index = {id(entry): register_local(entry) for entry in state.params}
+    local_index = dict(zip(map(id, state.params), register_locals(state.params), strict=True))
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
     run_fused_optimizers_locally(module, (entry.param for entry in state.params))
     for sub, pnames in owners.values():
