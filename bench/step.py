@@ -122,6 +122,7 @@ from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdow
 from bench.systems import (
     ADAMW_IMPLEMENTATIONS,
     MIXED_PRECISION,
+    OFFLOAD_SYSTEMS,
     ONE_PROCESS_SYSTEMS,
     SYSTEMS,
     BenchContext,
@@ -166,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--systems", nargs="+", default=list(SYSTEMS),
-        help=f"subset of: {' '.join(SYSTEMS)}; and variants graphshard-compiled[option=value,"
+        help=f"subset of: {' '.join(SYSTEMS)}; on an accelerator also {' '.join(OFFLOAD_SYSTEMS)}"
+        " (CPU offload, run only when named); and variants graphshard-compiled[option=value,"
         "...] (backend options, reshard_after_forward), quoted for the shell",
     )
     parser.add_argument(
@@ -223,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     if unknown:
-        parser.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)} or "
+        parser.error(f"unknown system(s) {unknown}; choose from "
+                     f"{', '.join(SYSTEMS + OFFLOAD_SYSTEMS)} or "
                      "graphshard-compiled[option=value,...]")
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
@@ -438,9 +441,12 @@ def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store) 
     if args.device == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+        # CPU offload keeps shards and gradients on the host: gloo serves any collective on
+        # them, as users of offload set it up (docs/cpu-offload.md); NCCL alone otherwise
+        offload = any(name in OFFLOAD_SYSTEMS for name in args.systems)
         dist.init_process_group(
-            "nccl", store=store, rank=rank, world_size=args.world_size, timeout=timeout,
-            device_id=device,
+            "cpu:gloo,cuda:nccl" if offload else "nccl", store=store, rank=rank,
+            world_size=args.world_size, timeout=timeout, device_id=device,
         )  # fmt: skip
         return device
     dist.init_process_group(

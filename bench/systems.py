@@ -29,6 +29,12 @@ times, memory and losses can be read side by side:
 - ``ddp-compiled``: ``DistributedDataParallel`` + ``torch.compile`` (no sharding)
 - ``single-compiled``: rank 0 alone trains the unsharded model compiled with Inductor on its
   local batch (the compute floor); the other ranks wait.
+- ``graphshard-offload-compiled`` / ``graphshard-offload-eager``: graphshard with
+  ``shard(..., offload=graphshard.CPUOffload())`` (shards, gradients and AdamW on the host);
+  ``fsdp2-offload-eager`` / ``fsdp2-offload-compiled``: FSDP2 with
+  ``fully_shard(..., offload_policy=CPUOffloadPolicy())``. Accelerator only (on the CPU
+  there is nothing to offload: skipped), and not in the default list (:data:`OFFLOAD_SYSTEMS`):
+  name them in ``--systems``. The step includes the host optimizer, as users run it.
 - ``graphshard-compiled[option=value,...]``: a variant of graphshard-compiled with other
   options (:func:`variant_options`), e.g. ``graphshard-compiled[bucketing=size,
   bucket_bytes=8000000]``, ``graphshard-compiled[reshard_after_forward=False]`` or
@@ -72,6 +78,7 @@ from graphshard.models.llama import Llama, LlamaConfig
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
     "MIXED_PRECISION",
+    "OFFLOAD_SYSTEMS",
     "ONE_PROCESS_SYSTEMS",
     "SYSTEMS",
     "SIMPLEFSDP_MODES",
@@ -101,6 +108,13 @@ SYSTEMS: tuple[str, ...] = (
     "ddp-compiled",
     "single-compiled",
     "single-regions-compiled",
+)
+# CPU offload, graphshard's and FSDP2's: accelerator only, run when named (``--systems``).
+OFFLOAD_SYSTEMS: tuple[str, ...] = (
+    "graphshard-offload-compiled",
+    "graphshard-offload-eager",
+    "fsdp2-offload-eager",
+    "fsdp2-offload-compiled",
 )
 # Systems that run in one process, on rank 0 alone (the other ranks have nothing to run).
 ONE_PROCESS_SYSTEMS = frozenset({"single-compiled", "single-regions-compiled"})
@@ -152,7 +166,7 @@ def variant_options(name: str) -> dict[str, Any] | None:
 def is_system(name: str) -> bool:
     """Whether ``name`` is one of :data:`SYSTEMS` or a graphshard-compiled variant (which
     raises ``ValueError`` here when its options are wrong)."""
-    return name in SYSTEMS or variant_options(name) is not None
+    return name in SYSTEMS or name in OFFLOAD_SYSTEMS or variant_options(name) is not None
 
 
 # SimpleFSDP system -> the graph_trainer JIT pass it is compiled with (None: no pass).
@@ -305,20 +319,30 @@ def _mesh(group: dist.ProcessGroup, ctx: BenchContext):
     return DeviceMesh.from_group(group, ctx.device.type)
 
 
+def _needs_accelerator(ctx: BenchContext, name: str) -> None:
+    if ctx.device.type == "cpu":
+        raise PeerUnavailable(f"{name} offloads to the host from an accelerator: run it with "
+                              "--device cuda (on the CPU there is nothing to offload)")
+
+
 def _graphshard(
-    ctx: BenchContext, group: dist.ProcessGroup, name: str, **options: Any
+    ctx: BenchContext, group: dist.ProcessGroup, name: str, offload: bool = False,
+    **options: Any,
 ) -> System:
-    """graphshard's system ``name``: eager, or compiled with backend ``options`` (and the
-    ``shard`` options among them, :data:`SHARD_OPTIONS`)."""
+    """graphshard's system ``name``: eager (``name`` ends in ``-eager``), or compiled with
+    backend ``options`` (and the ``shard`` options among them, :data:`SHARD_OPTIONS`);
+    ``offload``: with ``graphshard.CPUOffload()``."""
     from graphshard.api.step_prefetch import wait_issued
 
     shard_options = {k: options.pop(k) for k in SHARD_OPTIONS & options.keys()}
+    if offload:
+        shard_options["offload"] = graphshard.CPUOffload()
     if ctx.param_dtype is not None:
         shard_options["mixed_precision"] = graphshard.MixedPrecision(
             param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE
         )
     model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx), **shard_options)
-    if name == "graphshard-eager":
+    if name.endswith("-eager"):
         return System(name, model, model, _adamw(model, ctx), group=group)
     backend = graphshard.backend(**options)
     run = torch.compile(model, backend=backend)
@@ -332,14 +356,18 @@ def _graphshard(
     )
 
 
-def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch: bool):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch: bool,
+           offload: bool = False):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    name = "fsdp2" + ("-prefetch" if prefetch else "") + ("-compiled" if compiled else "-eager")
+    name = ("fsdp2" + ("-prefetch" if prefetch else "") + ("-offload" if offload else "")
+            + ("-compiled" if compiled else "-eager"))
     mesh = _mesh(group, ctx)
     model = build_model(ctx, name)
     blocks = list(model.layers)
     options: dict[str, Any] = {"mesh": mesh}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy()
     if ctx.param_dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE
@@ -497,6 +525,14 @@ _BUILDERS: dict[str, Callable[[BenchContext, Any], System]] = {
     "fsdp2-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=False),
     "fsdp2-prefetch-eager": lambda ctx, g: _fsdp2(ctx, g, compiled=False, prefetch=True),
     "fsdp2-prefetch-compiled": lambda ctx, g: _fsdp2(ctx, g, compiled=True, prefetch=True),
+    "graphshard-offload-compiled": lambda ctx, g: _graphshard(
+        ctx, g, "graphshard-offload-compiled", offload=True),
+    "graphshard-offload-eager": lambda ctx, g: _graphshard(
+        ctx, g, "graphshard-offload-eager", offload=True),
+    "fsdp2-offload-eager": lambda ctx, g: _fsdp2(
+        ctx, g, compiled=False, prefetch=False, offload=True),
+    "fsdp2-offload-compiled": lambda ctx, g: _fsdp2(
+        ctx, g, compiled=True, prefetch=False, offload=True),
     **{
         name: (lambda ctx, g, name=name: _simple_fsdp(ctx, g, name))
         for name in SIMPLEFSDP_MODES
@@ -520,6 +556,8 @@ def build_system(name: str, ctx: BenchContext) -> System:
                        "graphshard-compiled[option=value,...]")
     if name in ONE_PROCESS_SYSTEMS:
         return _BUILDERS[name](ctx, None)
+    if name in OFFLOAD_SYSTEMS:
+        _needs_accelerator(ctx, name)  # the same answer on every rank, before any group
     if not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised process group")
     if options is not None:

@@ -452,6 +452,21 @@ def test_missing_torchtitan_is_a_clear_skip(monkeypatch):
     assert "pip install" in record["notes"]
 
 
+def test_offload_systems_run_when_named_and_skip_on_the_cpu():
+    """The CPU-offload rows (graphshard's and FSDP2's) are accepted by ``--systems`` but not in
+    the default list, and on the CPU each is a clear skip, before any process group."""
+    from bench.systems import OFFLOAD_SYSTEMS, SYSTEMS, build_system
+
+    assert set(OFFLOAD_SYSTEMS).isdisjoint(SYSTEMS)
+    assert not set(OFFLOAD_SYSTEMS) & set(parse_args(["--json", "x.json"]).systems)
+    named = parse_args(["--json", "x.json", "--systems", *OFFLOAD_SYSTEMS])
+    assert named.systems == list(OFFLOAD_SYSTEMS)
+    ctx = BenchContext(llama_config("tiny"), 0, 1e-3, torch.device("cpu"), 2)
+    for name in OFFLOAD_SYSTEMS:
+        with pytest.raises(PeerUnavailable, match="--device cuda"):
+            build_system(name, ctx)  # no process group here: the skip comes first
+
+
 def test_failed_system_has_null_numbers_and_the_error():
     record = summarize("fsdp2-eager", [{"error": "RuntimeError: boom"}, {"idle": True}], 1)
     assert set(FIELDS) <= set(record)
