@@ -299,17 +299,6 @@ CONFIGS: dict[str, LlamaConfig] = {
         ffn_hidden=176,
         max_seq_len=64,
     ),
-    # tiny's dimensions with llama-1b's 16 layers (147 parameter tensors): the per-parameter
-    # host cost of a GPU-sized model, measurable on a CPU, where its compute is small.
-    "tiny-deep": LlamaConfig(
-        vocab_size=256,
-        dim=64,
-        n_layers=16,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=176,
-        max_seq_len=64,
-    ),
     "llama-small": LlamaConfig(
         vocab_size=2048,
         dim=256,
@@ -361,6 +350,9 @@ CONFIGS: dict[str, LlamaConfig] = {
         rope_theta=500000.0,
     ),
 }
+# tiny's dimensions with llama-1b's 16 layers (147 parameter tensors): the per-parameter
+# host cost of a GPU-sized model, measurable on a CPU, where its compute is small.
+CONFIGS["tiny-deep"] = replace(CONFIGS["tiny"], n_layers=16)
 
 
 def llama_config(name: str, **overrides) -> LlamaConfig:
