@@ -271,12 +271,14 @@ def private_llama_class(owner: str) -> type[Llama]:
     return _PRIVATE_CLASSES[owner]
 
 
-def build_model(ctx: BenchContext, owner: str | None = None) -> Llama:
+def build_model(ctx: BenchContext, owner: str | None = None, on_host: bool = False) -> Llama:
     """The same freshly initialised model on every rank and for every system; with
-    ``owner``, an instance of that system's private class (:func:`private_llama_class`)."""
+    ``owner``, an instance of that system's private class (:func:`private_llama_class`).
+    ``on_host``: left on the CPU (CPU offload's recipe: the sharding puts it in place)."""
     cls = Llama if owner is None else private_llama_class(owner)
     torch.manual_seed(ctx.seed)
-    return cls(ctx.cfg).to(ctx.device)
+    model = cls(ctx.cfg)
+    return model if on_host else model.to(ctx.device)
 
 
 class _OwnInductor(torch._TorchCompileInductorWrapper):
@@ -341,7 +343,8 @@ def _graphshard(
         shard_options["mixed_precision"] = graphshard.MixedPrecision(
             param_dtype=ctx.param_dtype, reduce_dtype=REDUCE_DTYPE
         )
-    model = graphshard.shard(build_model(ctx, name), _mesh(group, ctx), **shard_options)
+    model = graphshard.shard(build_model(ctx, name, on_host=offload), _mesh(group, ctx),
+                             **shard_options)
     if name.endswith("-eager"):
         return System(name, model, model, _adamw(model, ctx), group=group)
     backend = graphshard.backend(**options)
@@ -363,7 +366,7 @@ def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch
     name = ("fsdp2" + ("-prefetch" if prefetch else "") + ("-offload" if offload else "")
             + ("-compiled" if compiled else "-eager"))
     mesh = _mesh(group, ctx)
-    model = build_model(ctx, name)
+    model = build_model(ctx, name, on_host=offload)
     blocks = list(model.layers)
     options: dict[str, Any] = {"mesh": mesh}
     if offload:
