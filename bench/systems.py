@@ -164,8 +164,9 @@ def variant_options(name: str) -> dict[str, Any] | None:
 
 
 def is_system(name: str) -> bool:
-    """Whether ``name`` is one of :data:`SYSTEMS` or a graphshard-compiled variant (which
-    raises ``ValueError`` here when its options are wrong)."""
+    """Whether ``name`` is one of :data:`SYSTEMS`, of :data:`OFFLOAD_SYSTEMS`, or a
+    graphshard-compiled variant (which raises ``ValueError`` here when its options are
+    wrong)."""
     return name in SYSTEMS or name in OFFLOAD_SYSTEMS or variant_options(name) is not None
 
 

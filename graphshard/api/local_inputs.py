@@ -83,19 +83,25 @@ def register_locals(entries: list[ShardedParam]) -> list[int]:
     through one backward node, and an index for :func:`trains` each."""
     trainable = [e for e in entries if isinstance(e.param, DTensor) and e.param.requires_grad]
     if trainable:
-        group = _Group(trainable)
-        with torch.enable_grad():  # also where a caller (load_state_dict) disabled it
-            locals_ = _ToParameters.apply(group, *(e.param for e in trainable))
-        group.link(locals_[0].grad_fn)
-        for entry, local in zip(trainable, locals_, strict=True):
-            setattr(local, _MADE_FROM, id(entry.param))
-            entry.local = local
+        _link(trainable)
     indices = []
     for entry in entries:
-        attach_local(entry)  # the frozen ones (and any the group could not take)
+        attach_local(entry)  # the frozen ones; a no-op on those just linked (fresh)
         _RECORDS.append(weakref.ref(entry))
         indices.append(len(_RECORDS) - 1)
     return indices
+
+
+def _link(entries: list[ShardedParam]) -> None:
+    """Make the plain tensors of ``entries`` (trainable DTensor parameters) through one
+    :class:`_ToParameters` node."""
+    group = _Group(entries)
+    with torch.enable_grad():  # also where a caller (load_state_dict) disabled it
+        locals_ = _ToParameters.apply(group, *(e.param for e in entries))
+    group.accumulators = [edge[0] for edge in locals_[0].grad_fn.next_functions]
+    for entry, local in zip(entries, locals_, strict=True):
+        setattr(local, _MADE_FROM, id(entry.param))
+        entry.local = local
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,12 +141,9 @@ def attach_local(entry: ShardedParam) -> None:
     if _fresh(entry):
         return
     if param.requires_grad:
-        group = _Group([entry])
-        with torch.enable_grad():
-            local = _ToParameters.apply(group, param)[0]
-        group.link(local.grad_fn)
-    else:
-        local = param._local_tensor.detach()
+        _link([entry])
+        return
+    local = param._local_tensor.detach()
     setattr(local, _MADE_FROM, id(param))
     entry.local = local
 
@@ -154,12 +157,8 @@ class _Group:
         self.entries = [weakref.ref(e) for e in entries]
         self.params = [e.param for e in entries]
         self.specs = [e.param._spec for e in entries]
+        # the node's next functions, one per parameter (the group argument has no edge)
         self.accumulators: list[Any] = []
-
-    def link(self, node: Any) -> None:
-        """Record the parameters' ``AccumulateGrad`` nodes: the node's next functions (one
-        per tensor argument; the group itself has no edge)."""
-        self.accumulators = [edge[0] for edge in node.next_functions]
 
 
 class _ToParameters(torch.autograd.Function):
