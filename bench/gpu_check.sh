@@ -5,7 +5,7 @@
 # that a slow stage cannot eat the ones after it. Results and logs go to $OUT (default
 # gpu_out/); a stage that ran out of time says so in summary.txt and the next one starts.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh          # tier, bench1, offload: at most 9.5 minutes
+#   OUT=/some/dir bash bench/gpu_check.sh     # tier, bench1, medium, offload: at most 9.7 minutes
 #   STAGES=bench8 BENCH8_S=330 bash bench/gpu_check.sh   # the fake world: a second call
 #   TIER_S=300 BENCH1_S=200 bash bench/gpu_check.sh   # other limits per stage (seconds)
 #
@@ -13,15 +13,19 @@
 #   tier     python -m pytest tests/gpu (the CUDA tier: offload, training, state, fake world)
 #   bench1   world 1, 0.9B Llama (llama-1b) in bf16, every system with fused AdamW (whose step
 #            graphshard runs on the shards' local tensors): graphshard against one process
-#            (issue 26's target: at most 1.02x) and FSDP2 + compile
+#            (issue 26's target: at most 1.02x) and FSDP2 + compile; with each system's
+#            device time (busy, idle, largest kernels: bench/device_time.py)
+#   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
+#            (issue 26's target: at most 1.10x) and DDP + compile, with device time
 #   offload  world 1, llama-1b in bf16: CPU offload, graphshard's (compiled, eager) against
 #            FSDP2's (eager) and graphshard without offload (issue 23's targets). Each
 #            offloading system keeps ~18 GB of fp32 state in host memory (3 of them here).
 #            The step includes AdamW on the host; a compiled row's forward + backward is its
 #            step less the host-tax "optimizer" column
-#   bench8   fake world of 8, llama-1b in bf16: graphshard, its coalesced collectives,
-#            SimpleFSDP's block bucketing (where torchtitan is installed) and FSDP2. Its
-#            cold compile of four systems needs about 300 s: not in the default stages.
+#   bench8   fake world of 8, llama-1b in bf16: graphshard against SimpleFSDP's block and
+#            auto bucketing (where torchtitan is installed; auto's estimator needs the fake
+#            world's registered device type). A cold compile of three 1B systems takes
+#            minutes: not in the default stages.
 # On 2026-11-27 (H200, torch 2.11): tier 71 s, bench1 118 s, bench8 171 s with a partly
 # warm Inductor cache (it ran out of 170 s cold).
 # The bench rows record each system's first step too (`compile s`, a cold Inductor cache).
@@ -29,7 +33,7 @@ set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
-STAGES=${STAGES:-"tier bench1 offload"}
+STAGES=${STAGES:-"tier bench1 medium offload"}
 mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/graphshard_gpu_check_cache"  # not brought back
 summary="$OUT/summary.txt"
@@ -60,13 +64,18 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, note how it en
 # where installed, spreads them over processes that compile side by side.
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
-stage tier "${TIER_S:-200}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
+stage tier "${TIER_S:-150}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
     --junitxml="$OUT/tier.xml"
-stage bench1 "${BENCH1_S:-170}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
+stage bench1 "${BENCH1_S:-150}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
-    --optimizer fused --host-tax-steps 2 \
+    --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
     --systems graphshard-compiled single-compiled fsdp2-compiled \
     --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
+stage medium "${MEDIUM_S:-90}" python -m bench.step --device cuda --world-size 1 \
+    --model llama-medium --batch-size 8 --seq-len 512 --steps 12 --warmup 3 \
+    --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
+    --systems graphshard-compiled single-compiled ddp-compiled \
+    --json "$OUT/medium.json" --markdown "$OUT/medium.md"
 stage offload "${OFFLOAD_S:-200}" python -m bench.step --device cuda --world-size 1 \
     --model llama-1b --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 6 --warmup 2 \
     --optimizer fused --host-tax-steps 2 --systems graphshard-offload-compiled \
@@ -74,8 +83,7 @@ stage offload "${OFFLOAD_S:-200}" python -m bench.step --device cuda --world-siz
     --json "$OUT/offload.json" --markdown "$OUT/offload.md"
 stage bench8 "${BENCH8_S:-330}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
-    --host-tax-steps 0 --systems graphshard-compiled \
-    'graphshard-compiled[all_gather_via=coalesced,reduce_scatter_via=coalesced]' \
-    simplefsdp-block-bucketing fsdp2-compiled \
+    --host-tax-steps 0 --device-profile-steps 2 --systems graphshard-compiled \
+    simplefsdp-block-bucketing simplefsdp-auto-bucketing \
     --json "$OUT/bench8.json" --markdown "$OUT/bench8.md"
 cat "$summary"

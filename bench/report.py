@@ -37,6 +37,7 @@ FIELDS: tuple[str, ...] = (
     "final_loss",
     "predicted_step_s",
     "host_tax",
+    "device_time",
     "notes",
 )
 
@@ -75,6 +76,7 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     waits = [res["wait_s"] for res in ranks if res.get("wait_s") is not None]
     record["wait_s"] = max(waits) if waits else None
     record["host_tax"] = slowest_host_tax(ranks)
+    record["device_time"] = slowest_device_time(ranks)
     prefetch = ranks[0].get("step_prefetch")
     if prefetch is not None:
         record["step_prefetch"] = prefetch
@@ -95,6 +97,45 @@ def slowest_host_tax(ranks: list[dict]) -> dict | None:
         return None
     rank, split = max(measured, key=lambda item: item[1]["step_s"])
     return {**split, "rank": rank}
+
+
+def slowest_device_time(ranks: list[dict]) -> dict | None:
+    """The device time (:mod:`bench.device_time`) of the rank whose profiled step took
+    longest, with ``rank`` set; None where no rank measured one (a CPU run)."""
+    measured = [(r, res["device_time"]) for r, res in enumerate(ranks)
+                if res.get("device_time")]
+    if not measured:
+        return None
+    rank, split = max(measured, key=lambda item: item[1]["step_s"])
+    return {**split, "rank": rank}
+
+
+def device_time_lines(systems: list[dict], top: int = 5) -> list[str]:
+    """A table of each system's device time per step (busy, idle, kernels, copies) and its
+    largest kernels; no lines where no system measured one."""
+    timed = [s for s in systems if s.get("device_time")]
+    if not timed:
+        return []
+    lines = [
+        "",
+        f"Device time of a profiled step (the median of {timed[0]['device_time']['steps']}, "
+        "slowest rank; bench/device_time.py): busy is the union of the device's kernels, "
+        "copies and sets; idle is the step's time the device waited.",
+        "",
+        "| system | step ms | busy ms | idle ms | kernels | kernel ms | copy ms "
+        f"| largest {top} kernels: ms (count) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in timed:
+        d = s["device_time"]
+        largest = "; ".join(f"`{name[:60]}` {sec * 1e3:.2f} ({count})"
+                            for name, sec, count in d["top"][:top])
+        lines.append(
+            f"| {s['system']} | {d['step_s'] * 1e3:.1f} | {d['busy_s'] * 1e3:.1f} "
+            f"| {d['idle_s'] * 1e3:.1f} | {d['kernels']} | {d['kernel_s'] * 1e3:.1f} "
+            f"| {d['copy_s'] * 1e3:.1f} | {largest} |"
+        )
+    return lines
 
 
 def host_tax_cell(split: dict | None) -> str:
@@ -265,6 +306,7 @@ def to_markdown(report: dict) -> str:
             "split into Dynamo's guards, AOTAutograd's wrappers, the optimizer and the rest "
             "(bench/host_tax.py).",
         ]
+    lines += device_time_lines(systems)
     noted = [s for s in systems if s["notes"]]
     if noted:
         lines += ["", "Notes:", ""]

@@ -73,6 +73,9 @@ Per system:
   memory, into time inside the compiled graphs, Dynamo's guards, AOTAutograd's runtime
   wrappers, the optimizer, the bench's waits and the rest: the median of those steps, on
   the rank whose median step was slowest (:mod:`bench.host_tax`).
+- ``device_time``: on an accelerator, with ``--device-profile-steps N``, the median of N
+  steps profiled with the device's activity: device busy and idle time, kernel count, the
+  largest kernels (:mod:`bench.device_time`); None on the CPU.
 
 ``--mixed-precision bf16`` (or ``fp16``; default ``none``, fp32) gives every system the same
 precision through its own mechanism (:mod:`bench.systems`): parameters gathered and computed
@@ -116,6 +119,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.comm import count_collectives, count_logged, graphshard_summary, zero3_bytes
+from bench.device_time import profile_device_steps
 from bench.host_tax import applies_to, median_split, profile_steps, sync_event
 from bench.memory import local_tensor, peak_allocated, state_bytes
 from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
@@ -161,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--host-tax-steps", type=int, default=3,
         help="steps profiled without shapes or memory for the host-tax split of the compiled "
         "systems (guards, wrappers, optimizer, rest: bench/host_tax.py); 0: none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device-profile-steps", type=int, default=0,
+        help="steps profiled with the accelerator's activity for each system's device time "
+        "(busy, idle, kernels, the largest kernels: bench/device_time.py); 0: none, and "
+        "none on the CPU",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
@@ -236,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--round-steps must be at least 1")
     if args.host_tax_steps < 0:
         parser.error("--host-tax-steps must be at least 0")
+    if args.device_profile_steps < 0:
+        parser.error("--device-profile-steps must be at least 0")
     max_seq = llama_config(args.model).max_seq_len
     if not 2 <= args.seq_len <= max_seq:
         parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
@@ -376,6 +388,23 @@ def host_tax(
     return median_split(splits)
 
 
+def device_time(
+    trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
+) -> dict[str, Any] | None:
+    """The device time of the median of ``--device-profile-steps`` steps profiled with the
+    accelerator's activity (:mod:`bench.device_time`); None on the CPU or where none were
+    asked for."""
+    if not args.device_profile_steps or device.type == "cpu":
+        return None
+
+    def step(tokens: torch.Tensor) -> None:
+        train_step(trial.system, tokens)
+        sync(device)
+
+    return profile_device_steps(step, args.device_profile_steps,
+                                lambda: _tokens(trial, args, rank, device))
+
+
 def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device) -> dict:
     """The rank's result for a system whose timed steps are done: times, losses, profile."""
     result: dict[str, Any] = {
@@ -395,6 +424,11 @@ def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.devi
     if "wait_s" in result:
         result["wait_s"] = statistics.median(p["wait_s"] for p in profiled)
     result["host_tax"] = host_tax(trial, args, rank, device)
+    try:  # a diagnostic: the row's timings stand without it
+        result["device_time"] = device_time(trial, args, rank, device)
+    except Exception as exc:  # noqa: BLE001 - reported in the row's notes
+        result["device_time"] = None
+        result["notes"].append(f"device profile failed: {describe_exception(exc)}")
     if trial.system.backend is not None:
         result["summary"] = graphshard_summary(trial.system, device)
         if trial.system.backend.plan.step_prefetch:

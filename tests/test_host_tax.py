@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from bench.host_tax import BUCKETS, HOST_BUCKETS, STEP_EVENT, applies_to, split_events
 from bench.report import host_tax_cell
@@ -131,3 +132,44 @@ def test_bench_column_splits_a_real_step(tmp_path):
     assert "host ms: guards / wrappers / optimizer / rest" in table
     row = next(line for line in table.splitlines() if line.startswith("| graphshard-compiled "))
     assert row.endswith(f"| {host_tax_cell(systems['graphshard-compiled']['host_tax'])} |")
+
+
+@dataclass
+class _DeviceEvent(_Event):
+    """A kineto event with its device: CPU for host events, CUDA for device activity."""
+
+    on_device: bool = False
+
+    def device_type(self):
+        kinds = torch.autograd.DeviceType
+        return kinds.CUDA if self.on_device else kinds.CPU
+
+
+def test_device_time_counts_overlapping_activity_once_and_ranks_the_kernels():
+    from bench.device_time import device_split
+    from bench.report import device_time_lines
+
+    events = [
+        _DeviceEvent(STEP_EVENT, 0, 100),
+        _DeviceEvent("aten::mm", 1, 2),  # host op: not device time
+        _DeviceEvent("gemm", 10, 30, on_device=True),
+        _DeviceEvent("copy_kernel", 20, 40, on_device=True),  # overlaps gemm: busy 10..40
+        _DeviceEvent("Memcpy HtoD (Pinned -> Device)", 50, 55, on_device=True),
+        _DeviceEvent("gemm", 60, 70, on_device=True),
+        _DeviceEvent(STEP_EVENT, 200, 260),
+        _DeviceEvent("gemm", 210, 220, on_device=True),
+        _DeviceEvent("gemm", 300, 310, on_device=True),  # after every step: no step's
+    ]
+    first, second = device_split(events)
+    assert round(first["busy_s"] * 1e6) == 45  # 10..40, 50..55, 60..70
+    assert round(first["idle_s"] * 1e6) == 55
+    assert round(first["kernel_s"] * 1e6) == 50 and round(first["copy_s"] * 1e6) == 5
+    assert first["kernels"] == 3
+    assert [(name, count) for name, _, count in first["top"]] == [("gemm", 2), ("copy_kernel", 1)]
+    assert round(second["busy_s"] * 1e6) == 10 and second["kernels"] == 1
+
+    record = {"system": "graphshard-compiled", "device_time": {**first, "steps": 2}}
+    table = "\n".join(device_time_lines([record, {"system": "fsdp2-eager"}]))
+    assert "| graphshard-compiled | 0.1 | 0.0 | 0.1 | 3 |" in table and "`gemm`" in table
+    assert "fsdp2-eager" not in table
+    assert device_time_lines([{"system": "x"}]) == []
