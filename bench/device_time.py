@@ -21,7 +21,10 @@ field          meaning
 =============  ==========================================================================
 
 A step owns the device activity that starts inside it: the bench synchronises the device
-at the end of every step, so nothing launched in a step runs after it.
+at the end of every step, so nothing launched in a step runs after it. The profiler also
+draws each ``record_function`` range (the step's own event, ``Optimizer.step#...``, FSDP2's
+hooks) on the device's timeline as a user annotation, from its first kernel to its last:
+those are no activity and are left out.
 
 Two systems with the same model and data compare kernel by kernel: ``top`` shows the
 kernels one of them runs and the other does not (copies, casts, the optimizer's), and
@@ -51,6 +54,11 @@ def _is_host(event: Any) -> bool:
     return kinds is None or kind is None or kind() == kinds.CPU
 
 
+def _is_annotation(event: Any) -> bool:
+    marked = getattr(event, "is_user_annotation", None)
+    return bool(marked()) if callable(marked) else False
+
+
 def device_split(events: Iterable[Any], step_event: str = STEP_EVENT,
                  top: int = TOP_KERNELS) -> list[dict[str, Any]]:
     """The device time of every ``step_event`` in a trace, in time order (the fields in the
@@ -61,16 +69,19 @@ def device_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     events give the steps, the others are the device's activity.
     """
     steps: list[tuple[int, int]] = []
-    activity: list[tuple[int, int, str]] = []
+    host_names: set[str] = set()
+    device: list[tuple[int, int, str]] = []
     for e in events:
         start = e.start_ns()
         end = start + e.duration_ns()
         if _is_host(e):
+            host_names.add(e.name())
             if e.name() == step_event:
                 steps.append((start, end))
-        else:
-            activity.append((start, end, e.name()))
-    activity.sort()
+        elif not _is_annotation(e):
+            device.append((start, end, e.name()))
+    # a range drawn on the device's timeline bears its host event's name
+    activity = sorted(a for a in device if a[2] not in host_names)
     return [_one_step(start, end, activity, top) for start, end in sorted(steps)]
 
 

@@ -156,6 +156,7 @@ def test_device_time_counts_overlapping_activity_once_and_ranks_the_kernels():
         _DeviceEvent("copy_kernel", 20, 40, on_device=True),  # overlaps gemm: busy 10..40
         _DeviceEvent("Memcpy HtoD (Pinned -> Device)", 50, 55, on_device=True),
         _DeviceEvent("gemm", 60, 70, on_device=True),
+        _DeviceEvent(STEP_EVENT, 12, 70, on_device=True),  # the range drawn on the device
         _DeviceEvent(STEP_EVENT, 200, 260),
         _DeviceEvent("gemm", 210, 220, on_device=True),
         _DeviceEvent("gemm", 300, 310, on_device=True),  # after every step: no step's
