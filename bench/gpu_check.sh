@@ -5,20 +5,23 @@
 # that a slow stage cannot eat the ones after it. Results and logs go to $OUT (default
 # gpu_out/); a stage that ran out of time says so in summary.txt and the next one starts.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh     # tier, bench1, medium, offload: at most 9.7 minutes
-#   STAGES=bench8 BENCH8_S=330 bash bench/gpu_check.sh   # the fake world: a second call
+#   OUT=/some/dir bash bench/gpu_check.sh     # tier, bench1, offload: at most 9 minutes
+#   STAGES="medium bench8" bash bench/gpu_check.sh   # a second call: llama-medium, fake world
 #   TIER_S=300 BENCH1_S=200 bash bench/gpu_check.sh   # other limits per stage (seconds)
 #
 # Stages (in order):
 #   tier     python -m pytest tests/gpu (the CUDA tier: offload, training, state, fake world)
 #   bench1   world 1, 0.9B Llama (llama-1b) in bf16, every system with fused AdamW (whose step
-#            graphshard runs on the shards' local tensors): graphshard against one process
-#            (issue 26's target: at most 1.02x) and FSDP2 + compile; with each system's
-#            device time (busy, idle, largest kernels: bench/device_time.py)
+#            graphshard runs on the shards' local tensors): graphshard, and with
+#            reshard_after_forward="auto" (no second cast of the weights in the backward),
+#            against one process (issue 26's target: at most 1.02x) and FSDP2 + compile;
+#            with each system's device time (busy, idle, largest kernels:
+#            bench/device_time.py)
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
 #            (issue 26's target: at most 1.10x) and DDP + compile, with device time
-#   offload  world 1, llama-1b in bf16: CPU offload, graphshard's (compiled, eager) against
-#            FSDP2's (eager) and graphshard without offload (issue 23's targets). Each
+#   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled (and with
+#            reshard_after_forward=False: the shards cross the bus once a step, not twice)
+#            against FSDP2's (eager) and graphshard without offload (issue 23's targets). Each
 #            offloading system keeps ~18 GB of fp32 state in host memory (3 of them here).
 #            The step includes AdamW on the host; a compiled row's forward + backward is its
 #            step less the host-tax "optimizer" column
@@ -27,13 +30,14 @@
 #            world's registered device type). A cold compile of three 1B systems takes
 #            minutes: not in the default stages.
 # On 2026-11-27 (H200, torch 2.11): tier 71 s, bench1 118 s, bench8 171 s with a partly
-# warm Inductor cache (it ran out of 170 s cold).
+# warm Inductor cache (it ran out of 170 s cold). On the H100 (torch 2.11): tier 128 s (5
+# workers), offload 140 s; bench1 ran out of 150 s and medium of 90 s cold (warm: 92 s, 48 s).
 # The bench rows record each system's first step too (`compile s`, a cold Inductor cache).
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
-STAGES=${STAGES:-"tier bench1 medium offload"}
+STAGES=${STAGES:-"tier bench1 offload"}
 mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/graphshard_gpu_check_cache"  # not brought back
 summary="$OUT/summary.txt"
@@ -64,14 +68,15 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, note how it en
 # where installed, spreads them over processes that compile side by side.
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
-stage tier "${TIER_S:-150}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
+stage tier "${TIER_S:-140}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
     --junitxml="$OUT/tier.xml"
-stage bench1 "${BENCH1_S:-150}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
+stage bench1 "${BENCH1_S:-210}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
     --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
-    --systems graphshard-compiled single-compiled fsdp2-compiled \
+    --systems graphshard-compiled 'graphshard-compiled[reshard_after_forward=auto]' \
+    single-compiled fsdp2-compiled \
     --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
-stage medium "${MEDIUM_S:-90}" python -m bench.step --device cuda --world-size 1 \
+stage medium "${MEDIUM_S:-150}" python -m bench.step --device cuda --world-size 1 \
     --model llama-medium --batch-size 8 --seq-len 512 --steps 12 --warmup 3 \
     --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
     --systems graphshard-compiled single-compiled ddp-compiled \
@@ -79,7 +84,8 @@ stage medium "${MEDIUM_S:-90}" python -m bench.step --device cuda --world-size 1
 stage offload "${OFFLOAD_S:-200}" python -m bench.step --device cuda --world-size 1 \
     --model llama-1b --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 6 --warmup 2 \
     --optimizer fused --host-tax-steps 2 --systems graphshard-offload-compiled \
-    graphshard-offload-eager fsdp2-offload-eager graphshard-compiled \
+    'graphshard-offload-compiled[reshard_after_forward=False]' fsdp2-offload-eager \
+    graphshard-compiled \
     --json "$OUT/offload.json" --markdown "$OUT/offload.md"
 stage bench8 "${BENCH8_S:-330}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \

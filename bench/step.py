@@ -133,6 +133,7 @@ from bench.systems import (
     PeerUnavailable,
     System,
     build_system,
+    is_offload,
     is_system,
 )
 from bench.timing import sync, train_step, wait_time
@@ -179,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems", nargs="+", default=list(SYSTEMS),
         help=f"subset of: {' '.join(SYSTEMS)}; on an accelerator also {' '.join(OFFLOAD_SYSTEMS)}"
         " (CPU offload, run only when named); and variants graphshard-compiled[option=value,"
-        "...] (backend options, reshard_after_forward), quoted for the shell",
+        "...] (backend options, reshard_after_forward) and graphshard-offload-compiled[...], "
+        "quoted for the shell",
     )
     parser.add_argument(
         "--round-steps", type=int, default=1, help="steps of one system per interleaved round"
@@ -477,7 +479,7 @@ def _init_process_group(rank: int, args: argparse.Namespace, store: dist.Store) 
         torch.cuda.set_device(device)
         # CPU offload keeps shards and gradients on the host: gloo serves any collective on
         # them, as users of offload set it up (docs/cpu-offload.md); NCCL alone otherwise
-        offload = any(name in OFFLOAD_SYSTEMS for name in args.systems)
+        offload = any(is_offload(name) for name in args.systems)
         dist.init_process_group(
             "cpu:gloo,cuda:nccl" if offload else "nccl", store=store, rank=rank,
             world_size=args.world_size, timeout=timeout, device_id=device,

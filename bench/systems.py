@@ -79,6 +79,7 @@ __all__ = [
     "ADAMW_IMPLEMENTATIONS",
     "MIXED_PRECISION",
     "OFFLOAD_SYSTEMS",
+    "is_offload",
     "ONE_PROCESS_SYSTEMS",
     "SYSTEMS",
     "SIMPLEFSDP_MODES",
@@ -120,13 +121,14 @@ OFFLOAD_SYSTEMS: tuple[str, ...] = (
 ONE_PROCESS_SYSTEMS = frozenset({"single-compiled", "single-regions-compiled"})
 
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
-_VARIANT = re.compile(r"graphshard-compiled\[(?P<options>.*)\]")
+_VARIANT = re.compile(r"graphshard-(?:offload-)?compiled\[(?P<options>.*)\]")
 # The options a variant passes to ``graphshard.shard``; the rest go to ``graphshard.backend``.
 SHARD_OPTIONS = frozenset({"reshard_after_forward", "compile_blocks_once"})
 
 
 def variant_options(name: str) -> dict[str, Any] | None:
-    """The options of a graphshard-compiled variant, None where ``name`` is not one.
+    """The options of a graphshard-compiled variant (or of graphshard-offload-compiled, CPU
+    offload's), None where ``name`` is not one.
 
     ``graphshard-compiled[bucketing=size,bucket_bytes=8_000_000]`` gives
     ``{"bucketing": "size", "bucket_bytes": 8000000}``: each value is a Python literal
@@ -161,6 +163,12 @@ def variant_options(name: str) -> dict[str, Any] | None:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: {exc}") from exc
     return options
+
+
+def is_offload(name: str) -> bool:
+    """Whether ``name`` offloads to the host: one of :data:`OFFLOAD_SYSTEMS` or a
+    graphshard-offload-compiled variant."""
+    return name in OFFLOAD_SYSTEMS or name.startswith("graphshard-offload-compiled[")
 
 
 def is_system(name: str) -> bool:
@@ -560,10 +568,10 @@ def build_system(name: str, ctx: BenchContext) -> System:
                        "graphshard-compiled[option=value,...]")
     if name in ONE_PROCESS_SYSTEMS:
         return _BUILDERS[name](ctx, None)
-    if name in OFFLOAD_SYSTEMS:
+    if is_offload(name):
         _needs_accelerator(ctx, name)  # the same answer on every rank, before any group
     if not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised process group")
     if options is not None:
-        return _graphshard(ctx, dist.new_group(), name, **options)
+        return _graphshard(ctx, dist.new_group(), name, offload=is_offload(name), **options)
     return _BUILDERS[name](ctx, dist.new_group())

@@ -85,6 +85,7 @@ def trace(
     mesh_shape: tuple[int, ...] = (2,),
     param_dtype: str | None = None,
     no_sync_first: bool = False,
+    reshard_after_forward: bool = True,
     **backend_options: Any,
 ) -> dict[str, Any]:
     """Shard ``ThreeBlock`` on a fake accelerator mesh (with or without offload), run one
@@ -112,6 +113,7 @@ def trace(
             mp = graphshard.MixedPrecision(param_dtype=getattr(torch, param_dtype))
         with mode:
             graphshard.shard(model, mesh, mixed_precision=mp,
+                             reshard_after_forward=reshard_after_forward,
                              offload=graphshard.CPUOffload() if offload else None)
         state = shard_state(model)
         shard_bytes = {}  # name -> bytes of this rank's shard (its local tensor)
@@ -271,6 +273,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hsdp": {"offload": True, "mesh_shape": (2, 2)},
     "bf16": {"offload": True, "param_dtype": "bfloat16"},
     "no_sync": {"offload": True, "no_sync_first": True},
+    "kept": {"offload": True, "reshard_after_forward": False},
 }
 
 

@@ -453,8 +453,9 @@ def test_missing_torchtitan_is_a_clear_skip(monkeypatch):
 
 
 def test_offload_systems_run_when_named_and_skip_on_the_cpu():
-    """The CPU-offload rows (graphshard's and FSDP2's) are accepted by ``--systems`` but not in
-    the default list, and on the CPU each is a clear skip, before any process group."""
+    """The CPU-offload rows (graphshard's and FSDP2's, and variants of graphshard's compiled
+    one) are accepted by ``--systems`` but not in the default list, and on the CPU each is a
+    clear skip, before any process group."""
     from bench.systems import OFFLOAD_SYSTEMS, SYSTEMS, build_system
 
     assert set(OFFLOAD_SYSTEMS).isdisjoint(SYSTEMS)
@@ -462,7 +463,10 @@ def test_offload_systems_run_when_named_and_skip_on_the_cpu():
     named = parse_args(["--json", "x.json", "--systems", *OFFLOAD_SYSTEMS])
     assert named.systems == list(OFFLOAD_SYSTEMS)
     ctx = BenchContext(llama_config("tiny"), 0, 1e-3, torch.device("cpu"), 2)
-    for name in OFFLOAD_SYSTEMS:
+    variant = "graphshard-offload-compiled[reshard_after_forward=False]"
+    assert parse_args(["--json", "x.json", "--systems", variant]).systems == [variant]
+    assert variant_options(variant) == {"reshard_after_forward": False}
+    for name in (*OFFLOAD_SYSTEMS, variant):
         with pytest.raises(PeerUnavailable, match="--device cuda"):
             build_system(name, ctx)  # no process group here: the skip comes first
 

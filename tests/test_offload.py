@@ -237,6 +237,18 @@ def test_bytes_copied_to_the_device_per_step_are_the_shard_bytes_of_each_gathere
     assert 0 < len(bw_regathered) < len(shard_bytes)  # the head and biases are not re-sent
 
 
+def test_keeping_the_gathered_parameters_sends_each_shard_to_the_device_once_a_step(traced):
+    """With ``reshard_after_forward=False`` the backward uses the forward's gathered
+    parameters: the shards cross the bus once a step (the forward's copies), not again for
+    the backward's gathers (``docs/cpu-offload.md``: the bus bounds an offloaded step)."""
+    kept, resharded = traced["kept"], traced["offload"]
+    fw_bytes = sum(c["nbytes"] for c in copies(graph(kept, "fw"), "h2d"))
+    assert fw_bytes == sum(kept["shard_bytes"].values())
+    assert not copies(graph(kept, "bw"), "h2d")
+    assert copies(graph(resharded, "bw"), "h2d")  # the default sends them again
+    assert copies(graph(kept, "bw"), "d2h")  # the gradients still go to the host
+
+
 def test_mixed_precision_copies_the_fp32_shard_then_casts_on_the_device(traced):
     records = graph(traced["bf16"], "fw")
     nodes = by_name(records)
