@@ -14,9 +14,11 @@
 #   bench1   world 1, 0.9B Llama (llama-1b) in bf16, every system with fused AdamW (whose step
 #            graphshard runs on the shards' local tensors): graphshard, and with
 #            reshard_after_forward="auto" (no second cast of the weights in the backward),
-#            against one process (issue 26's target: at most 1.02x) and FSDP2 + compile;
-#            with each system's device time (busy, idle, largest kernels:
-#            bench/device_time.py)
+#            against one process (issue 26's target: at most 1.02x), with each system's
+#            device time (busy, idle, largest kernels: bench/device_time.py). Every system
+#            keeps ~17 GB on the device (fp32 weights, gradients, AdamW state), so FSDP2 +
+#            compile (0.48-0.63x graphshard's speed on the H100) is left out: 4 of them would
+#            crowd an 80 GB card
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
 #            (issue 26's target: at most 1.10x) and DDP + compile, with device time
 #   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled (and with
@@ -74,7 +76,7 @@ stage bench1 "${BENCH1_S:-210}" python -m bench.step --device cuda --world-size 
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \
     --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
     --systems graphshard-compiled 'graphshard-compiled[reshard_after_forward=auto]' \
-    single-compiled fsdp2-compiled \
+    single-compiled \
     --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
 stage medium "${MEDIUM_S:-150}" python -m bench.step --device cuda --world-size 1 \
     --model llama-medium --batch-size 8 --seq-len 512 --steps 12 --warmup 3 \
