@@ -17,6 +17,10 @@ field          meaning
                overlap)
 ``copy_s``     the sum of the memory copies' and sets' durations
 ``kernels``    how many kernels ran
+``families``   kernels by family (``triton_poi``, ``triton_red``, ``triton_per``,
+               ``triton_other``, ``nccl``, ``multi_tensor``, ``attention``, ``gemm``,
+               ``elementwise``, ``reduction``, ``other``): ``{family: [seconds, count]}``, so two systems' kernel counts
+               compare where ``top`` cannot reach (many small kernels)
 ``top``        the largest kernels by total time: ``[name, seconds, count]`` rows
 =============  ==========================================================================
 
@@ -40,10 +44,27 @@ import torch
 
 from bench.host_tax import STEP_EVENT, median_split
 
-__all__ = ["TOP_KERNELS", "device_split", "profile_device_steps"]
+__all__ = ["TOP_KERNELS", "device_split", "kernel_family", "profile_device_steps"]
 
 # Rows of ``top`` a step keeps.
-TOP_KERNELS = 15
+TOP_KERNELS = 25
+# kernel name marker -> family, first match wins (``other`` where none does)
+_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("triton_poi", "triton_poi"),
+    ("triton_red", "triton_red"),
+    ("triton_per", "triton_per"),
+    ("triton", "triton_other"),
+    ("nccl", "nccl"),
+    ("multi_tensor_apply", "multi_tensor"),
+    ("sdpa", "attention"),
+    ("fmha", "attention"),
+    ("flash", "attention"),
+    ("nvjet", "gemm"),
+    ("gemm", "gemm"),
+    ("cutlass", "gemm"),
+    ("elementwise_kernel", "elementwise"),
+    ("reduce_kernel", "reduction"),
+)
 _COPY_PREFIXES = ("Memcpy", "Memset")
 _NAME_CHARS = 120  # kernel names (templated C++) shortened to this many characters
 
@@ -52,6 +73,15 @@ def _is_host(event: Any) -> bool:
     kinds = getattr(torch.autograd, "DeviceType", None)
     kind = getattr(event, "device_type", None)
     return kinds is None or kind is None or kind() == kinds.CPU
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel by its name (``families`` in the module docstring)."""
+    lowered = name.lower()
+    for marker, family in _FAMILIES:
+        if marker in lowered:
+            return family
+    return "other"
 
 
 def _is_annotation(event: Any) -> bool:
@@ -92,6 +122,7 @@ def _one_step(start: int, end: int, activity: list[tuple[int, int, str]],
     kernel = copy = 0
     kernels = 0
     by_name: dict[str, list[float]] = {}
+    families: dict[str, list[float]] = {}
     for lo, hi, name in inside:
         if hi > covered_until:  # the union of intervals, sorted by start
             busy += hi - max(lo, covered_until)
@@ -101,9 +132,10 @@ def _one_step(start: int, end: int, activity: list[tuple[int, int, str]],
             continue
         kernel += hi - lo
         kernels += 1
-        row = by_name.setdefault(name[:_NAME_CHARS], [0.0, 0])
-        row[0] += (hi - lo) / 1e9
-        row[1] += 1
+        for table, key in ((by_name, name[:_NAME_CHARS]), (families, kernel_family(name))):
+            row = table.setdefault(key, [0.0, 0])
+            row[0] += (hi - lo) / 1e9
+            row[1] += 1
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     step_s = (end - start) / 1e9
     return {
@@ -113,6 +145,7 @@ def _one_step(start: int, end: int, activity: list[tuple[int, int, str]],
         "kernel_s": kernel / 1e9,
         "copy_s": copy / 1e9,
         "kernels": kernels,
+        "families": {f: [sec, int(n)] for f, (sec, n) in sorted(families.items())},
         "top": [[name, seconds, int(count)] for name, (seconds, count) in ranked],
     }
 

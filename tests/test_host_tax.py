@@ -167,6 +167,7 @@ def test_device_time_counts_overlapping_activity_once_and_ranks_the_kernels():
     assert round(first["kernel_s"] * 1e6) == 50 and round(first["copy_s"] * 1e6) == 5
     assert first["kernels"] == 3
     assert [(name, count) for name, _, count in first["top"]] == [("gemm", 2), ("copy_kernel", 1)]
+    assert {f: n for f, (_, n) in first["families"].items()} == {"gemm": 2, "other": 1}
     assert round(second["busy_s"] * 1e6) == 10 and second["kernels"] == 1
 
     record = {"system": "graphshard-compiled", "device_time": {**first, "steps": 2}}
