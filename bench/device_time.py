@@ -19,8 +19,9 @@ field          meaning
 ``kernels``    how many kernels ran
 ``families``   kernels by family (``triton_poi``, ``triton_red``, ``triton_per``,
                ``triton_other``, ``nccl``, ``multi_tensor``, ``attention``, ``gemm``,
-               ``elementwise``, ``reduction``, ``other``): ``{family: [seconds, count]}``, so two systems' kernel counts
-               compare where ``top`` cannot reach (many small kernels)
+               ``elementwise``, ``reduction``, ``other``): ``{family: [seconds,
+               count]}``, so two systems' kernel counts compare where ``top`` cannot
+               reach (many small kernels)
 ``top``        the largest kernels by total time: ``[name, seconds, count]`` rows
 =============  ==========================================================================
 

@@ -135,6 +135,12 @@ def device_time_lines(systems: list[dict], top: int = 5) -> list[str]:
             f"| {d['idle_s'] * 1e3:.1f} | {d['kernels']} | {d['kernel_s'] * 1e3:.1f} "
             f"| {d['copy_s'] * 1e3:.1f} | {largest} |"
         )
+    lines += ["", "Kernels by family, count (ms):", ""]
+    for s in timed:
+        families = s["device_time"].get("families") or {}
+        ranked = sorted(families.items(), key=lambda item: -item[1][0])
+        lines.append(f"- {s['system']}: " + ", ".join(
+            f"{family} {count} ({sec * 1e3:.1f})" for family, (sec, count) in ranked))
     return lines
 
 

@@ -173,5 +173,6 @@ def test_device_time_counts_overlapping_activity_once_and_ranks_the_kernels():
     record = {"system": "graphshard-compiled", "device_time": {**first, "steps": 2}}
     table = "\n".join(device_time_lines([record, {"system": "fsdp2-eager"}]))
     assert "| graphshard-compiled | 0.1 | 0.0 | 0.1 | 3 |" in table and "`gemm`" in table
+    assert "- graphshard-compiled: gemm 2 (0.0), other 1 (0.0)" in table
     assert "fsdp2-eager" not in table
     assert device_time_lines([{"system": "x"}]) == []
