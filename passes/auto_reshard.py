@@ -8,7 +8,8 @@ bucket-level model of the step:
 - **memory per rank**, along the step (forward segment by segment, then backward in reverse):
   sharded parameters, their gradients and ``OPTIMIZER_STATES`` optimizer states of the
   shards' size (AdamW's two; the graph does not show the optimizer), all of them padded
-  pieces (the same bytes on every rank); the activations the forward saves for backward
+  pieces (the same bytes on every rank), none of them under CPU offload (they live on the
+  host); the activations the forward saves for backward
   (every forward value the backward reads, minus parameters: the cut that saves everything
   at the boundary, which bounds what the min-cut partitioner saves); gathered buckets, alive
   from their (prefetched) all-gather to their last use, a kept bucket's backward part until
@@ -17,7 +18,9 @@ bucket-level model of the step:
 - **time**: forward and backward on one compute and one comm stream, per bucket: forward
   compute from the cost model between buckets' first reads, backward compute twice that,
   all-gathers and reduce-scatters priced by the cost model's ring formulas, gathers issued
-  ``d`` buckets ahead as :func:`graphshard.passes.prefetch` issues them.
+  ``d`` buckets ahead as :func:`graphshard.passes.prefetch` issues them. Under CPU offload
+  a gather also waits for its shards' copy from the host (the profile's host link): a bucket
+  gathered again in backward crosses the bus again, which keeping it saves.
 
 The search: for each prefetch depth from ``plan.prefetch_depth`` down to 0, free buckets in
 order of least predicted added time (ties: most bytes saved, then bucket index) until the
@@ -176,6 +179,7 @@ class _Bucket:
     bw_hi: int
     auto: bool
     fixed_keep: bool
+    host_bytes: int = 0  # CPU offload: shard bytes copied from the host for each gather
 
 
 @dataclass
@@ -211,6 +215,7 @@ class _Step:
         order = self.buckets
         for k, b in enumerate(order):
             issue = order[k - depth].first if k >= depth else 0
+            alive(issue, issue, b.host_bytes)  # offload: the shards' device copy, gathered
             if keep[b.index] and b.backward:
                 alive(issue, b.last, b.gathered - b.backward)
                 alive(issue, self.bw(b.bw_lo), b.backward)
@@ -220,6 +225,7 @@ class _Step:
                           key=lambda b: (-b.bw_hi, b.first))
         for k, b in enumerate(regather):
             issue = self.bw(regather[k - depth].bw_hi) if k >= depth else self.segments
+            alive(issue, issue, b.host_bytes * b.backward // max(b.gathered, 1))
             alive(issue, self.bw(b.bw_lo), b.backward)
         # each bucket's full gradients from the first one computed until they are copied into
         # the reduction's buffer; the buffers until the next reduction is issued (its wait)
@@ -242,14 +248,19 @@ class _Step:
         ends: list[float] = []
         starts = [b.first for b in order] + [self.segments]
 
-        def issue_upto(k: int, now: float, seq: list, sizes: list[int], out: list) -> None:
+        def issue_upto(k: int, now: float, seq: list, costs: list[float], out: list) -> None:
             nonlocal comm
             while len(out) <= min(k, len(seq) - 1):
                 start = max(now, comm)
-                comm = start + all_gather_time(sizes[len(out)], world, prof)
+                comm = start + costs[len(out)]
                 out.append(comm)
 
-        sizes = [b.gathered for b in order]
+        def gather_cost(b: _Bucket, nbytes: int) -> float:  # the host copy first (offload)
+            copied = b.host_bytes * nbytes // b.gathered if b.gathered else 0
+            return all_gather_time(nbytes, world, prof) + (
+                prof.host_copy_time(copied) if copied else 0.0)
+
+        sizes = [gather_cost(b, b.gathered) for b in order]
         t = sum(self.fw_compute[: starts[0]]) if order else sum(self.fw_compute)
         for k in range(len(order)):
             issue_upto(k + depth, t, order, sizes, ends)
@@ -259,7 +270,7 @@ class _Step:
         # reduce-scatter issued once its first segment's backward has run
         regather = sorted((b for b in order if not keep[b.index] and b.backward),
                           key=lambda b: (-b.bw_hi, b.first))
-        rsizes = [b.backward for b in regather]
+        rsizes = [gather_cost(b, b.backward) for b in regather]
         waits: dict[int, list[int]] = {}
         for k, b in enumerate(regather):
             waits.setdefault(b.bw_hi, []).append(k)
@@ -385,7 +396,10 @@ def _model(gm: fx.GraphModule, plan) -> _Step | None:
         # all-to-all: the buffer and the pieces received; reduce-scatter: the buffer and this
         # rank's piece
         b.reduce_buffers += padded + (padded if all_to_all else padded // args.world_size)
-        state += piece * shard_dtype.itemsize * (2 + OPTIMIZER_STATES)
+        if args.compute_device:  # CPU offload: the shard state is on the host
+            b.host_bytes += piece * shard_dtype.itemsize
+        else:
+            state += piece * shard_dtype.itemsize * (2 + OPTIMIZER_STATES)
     for b in buckets.values():
         if b.bw_hi < 0:
             b.bw_lo = b.bw_hi = b.last

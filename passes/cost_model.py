@@ -59,6 +59,13 @@ class HardwareProfile:
     peak_flops: float  # dense matmul FLOP/s assumed for FLOP-carrying ops
     mem_bandwidth_Bps: float  # memory bandwidth for memory-bound ops, bytes/s
     source: str = ""
+    # host <-> device link in one direction, bytes/s (CPU offload's copies); None: the
+    # device is the host (memory bandwidth)
+    host_link_Bps: float | None = None
+
+    def host_copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between host and device memory (CPU offload)."""
+        return nbytes / (self.host_link_Bps or self.mem_bandwidth_Bps)
 
     def __post_init__(self) -> None:
         for field in ("bandwidth_Bps", "peak_flops", "mem_bandwidth_Bps"):
@@ -68,6 +75,9 @@ class HardwareProfile:
                 )
         if self.alpha_s < 0:
             raise GraphshardValueError(f"HardwareProfile {self.name!r}: alpha_s must be >= 0")
+        if self.host_link_Bps is not None and not self.host_link_Bps > 0:
+            raise GraphshardValueError(
+                f"HardwareProfile {self.name!r}: host_link_Bps must be positive or None")
 
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -83,8 +93,11 @@ PROFILES: dict[str, HardwareProfile] = {
         mem_bandwidth_Bps=3.35e12,
         source=(
             "NVIDIA H100 SXM5 datasheet: NVLink 4 900 GB/s bidirectional (450 GB/s per "
-            "direction), dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 3 us/hop"
+            "direction), dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 3 us/hop; "
+            "host link PCIe 5.0 x16, 64 GB/s per direction, 40 GB/s as measured for "
+            "graphshard's offload copies (docs/cpu-offload.md)"
         ),
+        host_link_Bps=40e9,
     ),
     # Inter-node: one ConnectX-7 InfiniBand NDR 400 Gb/s port per GPU = 50 GB/s per rank
     # (NVIDIA DGX H100 user guide). Same GPU figures as above; ~5 us per hop across nodes.
@@ -96,8 +109,10 @@ PROFILES: dict[str, HardwareProfile] = {
         mem_bandwidth_Bps=3.35e12,
         source=(
             "NVIDIA DGX H100: one InfiniBand NDR 400 Gb/s (50 GB/s) port per GPU; H100 SXM5 "
-            "datasheet: dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 5 us/hop"
+            "datasheet: dense BF16 989 TFLOP/s, HBM3 3.35 TB/s; alpha assumed 5 us/hop; "
+            "host link as h100-nvlink's"
         ),
+        host_link_Bps=40e9,
     ),
     # Loopback gloo on a 2-core CPU box: fp32 matmul measured around 100 GFLOP/s with 2
     # threads, halved here; TCP loopback and copy bandwidth of a few GB/s, rounded down.

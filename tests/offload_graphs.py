@@ -85,7 +85,7 @@ def trace(
     mesh_shape: tuple[int, ...] = (2,),
     param_dtype: str | None = None,
     no_sync_first: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = True,
     **backend_options: Any,
 ) -> dict[str, Any]:
     """Shard ``ThreeBlock`` on a fake accelerator mesh (with or without offload), run one
@@ -95,6 +95,7 @@ def trace(
 
     import graphshard
     from graphshard.api.sharding import shard_state
+    from graphshard.passes.reshard import reshard_choice
     from graphshard.tools.offline import fake_process_group
 
     register_fake_accelerator()
@@ -165,6 +166,15 @@ def trace(
         })
         result["graphs"] = [{stage: summarize(gm) for stage, gm in stages.items()}
                             for stages in backend.graphs]
+        joint = backend.graphs[0].get("joint")
+        choice = None if joint is None else reshard_choice(joint)
+        if choice is not None:  # reshard_after_forward="auto": what it chose, and why
+            result["reshard"] = {
+                "state_bytes": choice.state_bytes, "fits": choice.fits,
+                "keep_all_peak": choice.keep_all_peak_bytes,
+                "keep": {b.bucket: b.keep for b in choice.buckets if b.auto},
+                "added_s": {b.bucket: b.added_s for b in choice.buckets if b.auto},
+            }
     return result
 
 
@@ -277,6 +287,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def auto_reshard() -> dict[str, Any]:
+    """``reshard_after_forward="auto"`` with and without offload, then offloaded under a
+    budget of exactly its predicted keep-all peak: each one's choice."""
+    plain = trace(False, reshard_after_forward="auto")["reshard"]
+    offloaded = trace(True, reshard_after_forward="auto")["reshard"]
+    budgeted = trace(True, reshard_after_forward="auto",
+                     memory_budget=offloaded["keep_all_peak"])["reshard"]
+    return {"plain": plain, "offloaded": offloaded, "budgeted": budgeted}
+
+
 def trace_all() -> dict[str, Any]:
     """Every configuration of :data:`CONFIGS`, and :func:`kernels`; a configuration that
     raises gives ``{"error": traceback}`` (the others still run)."""
@@ -284,6 +304,7 @@ def trace_all() -> dict[str, Any]:
 
     jobs = {name: (trace, options) for name, options in CONFIGS.items()}
     jobs["kernels"] = (kernels, {})
+    jobs["auto"] = (auto_reshard, {})
     for recipe in ("host", "meta"):
         jobs[f"llama_{recipe}"] = (llama_recipe, {"recipe": recipe})
     results: dict[str, Any] = {}

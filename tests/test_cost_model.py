@@ -199,3 +199,17 @@ def test_unbacked_symbolic_size_is_an_error_naming_the_node():
     assert isinstance(info.value, graphshard.GraphshardError)
     with pytest.raises(ValueError, match="data-dependent"):  # the builtin base is kept
         tensor_bytes(mm.meta["val"])
+
+
+def test_host_copies_are_priced_over_the_host_link():
+    """CPU offload's copies cross the host link (PCIe on the H100 profiles); on a profile
+    without one the host is the device, and a copy runs at memory bandwidth."""
+    from graphshard.errors import GraphshardValueError
+
+    h100, cpu = PROFILES["h100-nvlink"], PROFILES["cpu-gloo"]
+    assert h100.host_copy_time(4e9) == pytest.approx(4e9 / h100.host_link_Bps)
+    assert h100.host_copy_time(4e9) > 10 * 4e9 / h100.mem_bandwidth_Bps
+    assert cpu.host_link_Bps is None
+    assert cpu.host_copy_time(5e9) == pytest.approx(5e9 / cpu.mem_bandwidth_Bps)
+    with pytest.raises(GraphshardValueError, match="host_link_Bps"):
+        HardwareProfile("x", 1e-6, 1e9, 1e12, 1e12, host_link_Bps=0.0)

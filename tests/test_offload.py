@@ -249,6 +249,22 @@ def test_keeping_the_gathered_parameters_sends_each_shard_to_the_device_once_a_s
     assert copies(graph(kept, "bw"), "d2h")  # the gradients still go to the host
 
 
+def test_auto_reshard_under_offload_counts_no_device_state_and_prices_the_bus(traced):
+    """``reshard_after_forward="auto"`` under CPU offload: the shards, their gradients and
+    the optimizer state live on the host, so the device budget does not hold them; and a
+    bucket gathered again in backward crosses the bus again, which freeing it costs."""
+    plain, offloaded = traced["auto"]["plain"], traced["auto"]["offloaded"]
+    assert plain["state_bytes"] > 0 and offloaded["state_bytes"] == 0
+    assert all(offloaded["keep"].values())  # no budget: everything kept
+    for bucket, added in plain["added_s"].items():
+        assert offloaded["added_s"][bucket] > added  # the shards' copy from the host
+    # a budget that holds the offloaded step's device memory, and not the state besides it:
+    # every bucket still kept (before, the host state counted against the device budget)
+    assert offloaded["keep_all_peak"] < plain["keep_all_peak"]
+    budgeted = traced["auto"]["budgeted"]
+    assert budgeted["fits"] and all(budgeted["keep"].values())
+
+
 def test_mixed_precision_copies_the_fp32_shard_then_casts_on_the_device(traced):
     records = graph(traced["bf16"], "fw")
     nodes = by_name(records)
