@@ -22,7 +22,8 @@
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
 #            (issue 26's target: at most 1.10x) and DDP + compile, with device time
 #   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled (and with
-#            reshard_after_forward=False: the shards cross the bus once a step, not twice)
+#            reshard_after_forward="auto", which keeps the gathered parameters on an 80 GB
+#            card: the shards cross the bus once a step, not twice)
 #            against FSDP2's (eager) and graphshard without offload (issue 23's targets). Each
 #            offloading system keeps ~18 GB of fp32 state in host memory (3 of them here).
 #            The step includes AdamW on the host; a compiled row's forward + backward is its
@@ -86,7 +87,7 @@ stage medium "${MEDIUM_S:-150}" python -m bench.step --device cuda --world-size 
 stage offload "${OFFLOAD_S:-200}" python -m bench.step --device cuda --world-size 1 \
     --model llama-1b --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 6 --warmup 2 \
     --optimizer fused --host-tax-steps 2 --systems graphshard-offload-compiled \
-    'graphshard-offload-compiled[reshard_after_forward=False]' fsdp2-offload-eager \
+    'graphshard-offload-compiled[reshard_after_forward=auto]' fsdp2-offload-eager \
     graphshard-compiled \
     --json "$OUT/offload.json" --markdown "$OUT/offload.md"
 stage bench8 "${BENCH8_S:-330}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \
