@@ -260,17 +260,17 @@ class _Step:
             return all_gather_time(nbytes, world, prof) + (
                 prof.host_copy_time(copied) if copied else 0.0)
 
-        sizes = [gather_cost(b, b.gathered) for b in order]
+        costs = [gather_cost(b, b.gathered) for b in order]
         t = sum(self.fw_compute[: starts[0]]) if order else sum(self.fw_compute)
         for k in range(len(order)):
-            issue_upto(k + depth, t, order, sizes, ends)
+            issue_upto(k + depth, t, order, costs, ends)
             t = max(t, ends[k])
             t += sum(self.fw_compute[starts[k]: starts[k + 1]])
         # backward: segments in reverse; re-gathers prefetched ``depth`` ahead; each bucket's
         # reduce-scatter issued once its first segment's backward has run
         regather = sorted((b for b in order if not keep[b.index] and b.backward),
                           key=lambda b: (-b.bw_hi, b.first))
-        rsizes = [gather_cost(b, b.backward) for b in regather]
+        regather_costs = [gather_cost(b, b.backward) for b in regather]
         waits: dict[int, list[int]] = {}
         for k, b in enumerate(regather):
             waits.setdefault(b.bw_hi, []).append(k)
@@ -279,10 +279,10 @@ class _Step:
             reduce_at.setdefault(b.first, []).append(b)
         bw_ends: list[float] = []
         if regather:
-            issue_upto(depth, t, regather, rsizes, bw_ends)
+            issue_upto(depth, t, regather, regather_costs, bw_ends)
         for s in range(self.segments - 1, -1, -1):
             for k in waits.get(s, ()):
-                issue_upto(k + depth, t, regather, rsizes, bw_ends)
+                issue_upto(k + depth, t, regather, regather_costs, bw_ends)
                 t = max(t, bw_ends[k])
             t += 2 * self.fw_compute[s]
             for b in reduce_at.get(s, ()):
