@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from bench.host_tax import STEP_EVENT, median_split
+from bench.host_tax import STEP_EVENT, is_host_event, median_split
 
 __all__ = ["TOP_KERNELS", "device_split", "kernel_family", "profile_device_steps"]
 
@@ -68,12 +68,6 @@ _FAMILIES: tuple[tuple[str, str], ...] = (
 )
 _COPY_PREFIXES = ("Memcpy", "Memset")
 _NAME_CHARS = 120  # kernel names (templated C++) shortened to this many characters
-
-
-def _is_host(event: Any) -> bool:
-    kinds = getattr(torch.autograd, "DeviceType", None)
-    kind = getattr(event, "device_type", None)
-    return kinds is None or kind is None or kind() == kinds.CPU
 
 
 def kernel_family(name: str) -> str:
@@ -105,7 +99,7 @@ def device_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     for e in events:
         start = e.start_ns()
         end = start + e.duration_ns()
-        if _is_host(e):
+        if is_host_event(e):
             host_names.add(e.name())
             if e.name() == step_event:
                 steps.append((start, end))

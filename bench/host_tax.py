@@ -83,6 +83,7 @@ __all__ = [
     "SYNC_EVENT",
     "applies_to",
     "classify",
+    "is_host_event",
     "median_split",
     "profile_steps",
     "split_events",
@@ -158,13 +159,19 @@ class _Span:
     subclass: bool
 
 
+def is_host_event(event: Any) -> bool:
+    """Whether a kineto event (or an object with its methods) is the host's: a CPU one, or
+    one that names no device."""
+    cpu = getattr(getattr(torch.autograd, "DeviceType", None), "CPU", None)
+    device_type = getattr(event, "device_type", None)
+    return cpu is None or device_type is None or device_type() == cpu
+
+
 def _event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
     """(name, start ns, end ns, thread) of the CPU-side events of a kineto trace (or of any
     objects with the same methods)."""
-    cpu = getattr(getattr(torch.autograd, "DeviceType", None), "CPU", None)
     for e in events:
-        device_type = getattr(e, "device_type", None)
-        if cpu is not None and device_type is not None and device_type() != cpu:
+        if not is_host_event(e):
             continue
         start = e.start_ns()
         yield e.name(), start, start + e.duration_ns(), e.start_thread_id()

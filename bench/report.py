@@ -92,18 +92,17 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
 def slowest_host_tax(ranks: list[dict]) -> dict | None:
     """The host-tax split (:mod:`bench.host_tax`) of the rank whose profiled step took
     longest, with ``rank`` set; None where no rank measured one."""
-    measured = [(r, res["host_tax"]) for r, res in enumerate(ranks) if res.get("host_tax")]
-    if not measured:
-        return None
-    rank, split = max(measured, key=lambda item: item[1]["step_s"])
-    return {**split, "rank": rank}
+    return _slowest(ranks, "host_tax")
 
 
 def slowest_device_time(ranks: list[dict]) -> dict | None:
     """The device time (:mod:`bench.device_time`) of the rank whose profiled step took
     longest, with ``rank`` set; None where no rank measured one (a CPU run)."""
-    measured = [(r, res["device_time"]) for r, res in enumerate(ranks)
-                if res.get("device_time")]
+    return _slowest(ranks, "device_time")
+
+
+def _slowest(ranks: list[dict], key: str) -> dict | None:
+    measured = [(r, res[key]) for r, res in enumerate(ranks) if res.get(key)]
     if not measured:
         return None
     rank, split = max(measured, key=lambda item: item[1]["step_s"])

@@ -373,6 +373,18 @@ def profiled_step(
     return result
 
 
+def _synced_step(trial: Trial, device: torch.device):
+    """One training step of ``trial`` on a batch, ending in the device sync (marked as the
+    bench's wait): what the profiles of a step run."""
+
+    def step(tokens: torch.Tensor) -> None:
+        train_step(trial.system, tokens)
+        with sync_event():
+            sync(device)
+
+    return step
+
+
 def host_tax(
     trial: Trial, args: argparse.Namespace, rank: int, device: torch.device
 ) -> dict[str, Any] | None:
@@ -380,13 +392,8 @@ def host_tax(
     (:mod:`bench.host_tax`), None where it does not apply or none were asked for."""
     if not args.host_tax_steps or not applies_to(trial.name):
         return None
-
-    def step(tokens: torch.Tensor) -> None:
-        train_step(trial.system, tokens)
-        with sync_event():
-            sync(device)
-
-    splits = profile_steps(step, args.host_tax_steps, lambda: _tokens(trial, args, rank, device))
+    splits = profile_steps(_synced_step(trial, device), args.host_tax_steps,
+                           lambda: _tokens(trial, args, rank, device))
     return median_split(splits)
 
 
@@ -398,12 +405,7 @@ def device_time(
     asked for."""
     if not args.device_profile_steps or device.type == "cpu":
         return None
-
-    def step(tokens: torch.Tensor) -> None:
-        train_step(trial.system, tokens)
-        sync(device)
-
-    return profile_device_steps(step, args.device_profile_steps,
+    return profile_device_steps(_synced_step(trial, device), args.device_profile_steps,
                                 lambda: _tokens(trial, args, rank, device))
 
 

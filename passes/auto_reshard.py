@@ -181,6 +181,10 @@ class _Bucket:
     fixed_keep: bool
     host_bytes: int = 0  # CPU offload: shard bytes copied from the host for each gather
 
+    def copied(self, nbytes: int) -> int:
+        """Host bytes copied to gather ``nbytes`` of the bucket (the backward's share)."""
+        return self.host_bytes * nbytes // self.gathered if self.gathered else 0
+
 
 @dataclass
 class _Step:
@@ -225,7 +229,7 @@ class _Step:
                           key=lambda b: (-b.bw_hi, b.first))
         for k, b in enumerate(regather):
             issue = self.bw(regather[k - depth].bw_hi) if k >= depth else self.segments
-            alive(issue, issue, b.host_bytes * b.backward // max(b.gathered, 1))
+            alive(issue, issue, b.copied(b.backward))
             alive(issue, self.bw(b.bw_lo), b.backward)
         # each bucket's full gradients from the first one computed until they are copied into
         # the reduction's buffer; the buffers until the next reduction is issued (its wait)
@@ -256,9 +260,7 @@ class _Step:
                 out.append(comm)
 
         def gather_cost(b: _Bucket, nbytes: int) -> float:  # the host copy first (offload)
-            copied = b.host_bytes * nbytes // b.gathered if b.gathered else 0
-            return all_gather_time(nbytes, world, prof) + (
-                prof.host_copy_time(copied) if copied else 0.0)
+            return all_gather_time(nbytes, world, prof) + prof.host_copy_time(b.copied(nbytes))
 
         costs = [gather_cost(b, b.gathered) for b in order]
         t = sum(self.fw_compute[: starts[0]]) if order else sum(self.fw_compute)
