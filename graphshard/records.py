@@ -48,6 +48,10 @@ class ShardedParam:
     # A plain tensor over the local shard's storage, autograd-linked to ``param``: what
     # compiled graphs read for a trainable parameter (graphshard.api.local_inputs).
     local: torch.Tensor | None = None
+    # Where the owning modules hold ``local`` for traced reads: (the module's dict of plain
+    # tensors, the parameter's name there). Kept equal to ``local`` by
+    # ``graphshard.api.local_inputs``, the one place that sets it.
+    local_slots: list[tuple[dict, str]] = field(default_factory=list)
 
 
 @dataclass

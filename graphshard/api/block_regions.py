@@ -49,6 +49,9 @@ __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
 REGION_PARAMS_ATTR = "_graphshard_region_params"
+# On a served block: its class's own ``forward`` (a function in the instance's dict, which
+# Dynamo's tags cover, where an attribute of the class read through it would be guarded at
+# every step).
 _BLOCK_FORWARD = "_graphshard_block_forward"
 # On graphshard's hooks that count running forwards (which decides whether a read gathers).
 DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
@@ -65,7 +68,7 @@ def _block_body(block: nn.Module, n_params: int, n_args: int, *operands: Any) ->
     keywords = operands[n_params + n_args:]
     half = len(keywords) // 2
     kwargs = dict(zip(keywords[:half], keywords[half:], strict=True))
-    return getattr(type(block), _BLOCK_FORWARD)(block, *args, **kwargs)
+    return block._graphshard_block_forward(block, *args, **kwargs)
 
 
 # [the region], filled at install: traced code reads a list, never calls the cached factory
@@ -84,15 +87,12 @@ def _region() -> Any:
 
 def _set_region_params(owners: list[nn.Module], gathered: list[dict]) -> None:
     for module, params in zip(owners, gathered, strict=True):
-        module.__dict__[REGION_PARAMS_ATTR] = params
+        object.__setattr__(module, REGION_PARAMS_ATTR, params)
 
 
 def _clear_region_params(owners: list[nn.Module]) -> None:
-    for module in owners:
-        if DEFERS_SIDE_EFFECT_CHECKS:
-            del module.__dict__[REGION_PARAMS_ATTR]
-        else:  # torch 2.11's Dynamo cannot trace the del
-            module.__dict__[REGION_PARAMS_ATTR] = None
+    for module in owners:  # back to the value it always holds outside a region
+        object.__setattr__(module, REGION_PARAMS_ATTR, None)
 
 
 # torch 2.13's Dynamo defers its checks of side effects in a higher-order op's body (and
@@ -153,7 +153,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
     sharded attribute would return, without its per-parameter lookups; otherwise it goes
     through the attribute, which routes the gradient. (One loop, no helper calls: Dynamo
     traces this for every block.)"""
-    state_index, owner_reads = _block_reads(block.__dict__[_READS_ATTR])
+    state_index, owner_reads = _block_reads(block._graphshard_block_reads)
     state = ROOT_STATES[state_index]
     plain = state.sync == GradSync.FULL and not state.folds_held_back
     owners, gathered, flat = [], [], []
@@ -165,7 +165,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         for name, spec, local in reads:
             if plain:
                 if trains(local):  # a plain tensor in place of the DTensor (api.local_inputs)
-                    shard = sub.__dict__["_graphshard_specs"][name][0].local
+                    shard = sub._graphshard_locals[name]
                 else:
                     shard = sub._parameters[name].to_local()
                 if shard.is_meta:  # the attribute raises the error that says what to do
@@ -186,7 +186,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
 
 def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A block's ``forward``: as a compile region while Dynamo traces, else as written."""
-    forward = getattr(type(self), _BLOCK_FORWARD)
+    forward = self._graphshard_block_forward
     if not torch.compiler.is_compiling():
         return forward(self, *args, **kwargs)
     owners, flat = _gather_block_params(self)
@@ -198,7 +198,7 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _region_class(cls: type) -> type:
-    attrs = {"forward": region_forward, _BLOCK_FORWARD: cls.forward}
+    attrs = {"forward": region_forward}
     return type(cls.__name__, (cls,), attrs)
 
 
@@ -296,6 +296,7 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
     for block in blocks:
         layout = _param_layout(block)
         if layout and _servable(block):
+            block.__dict__[_BLOCK_FORWARD] = type(block).forward
             block.__class__ = _region_class(type(block))
             block.__dict__[_READS_ATTR] = _register_reads(state_index, layout)
             _count_depth_eagerly_inside(block)

@@ -68,10 +68,18 @@ from torch.distributed.tensor import DTensor
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
-__all__ = ["LOCAL_INDEX_ATTR", "attach_local", "register_locals", "same_view", "trains"]
+__all__ = [
+    "LOCAL_INDEX_ATTR", "LOCALS_ATTR", "attach_local", "register_locals", "same_view",
+    "set_local", "trains",
+]
 
 # On a sharded module: parameter name -> its record's index for :func:`trains`.
 LOCAL_INDEX_ATTR = "_graphshard_local_index"
+# On a sharded module: parameter name -> its record's plain tensor (``ShardedParam.local``).
+# A dict of tensors in the module's own ``__dict__``, so that Dynamo can skip the module's
+# guards while its dicts are unchanged (torch's recursive dict tags); a tensor reached
+# through a record (a dataclass) would make Dynamo check the module at every step.
+LOCALS_ATTR = "_graphshard_locals"
 
 # index -> the record of a parameter read in compiled graphs (a weak reference: the table
 # outlives models). Dynamo passes :func:`trains` an index: a constant, never a guard.
@@ -101,7 +109,7 @@ def _link(entries: list[ShardedParam]) -> None:
     group.accumulators = [edge[0] for edge in locals_[0].grad_fn.next_functions]
     for entry, local in zip(entries, locals_, strict=True):
         setattr(local, _MADE_FROM, id(entry.param))
-        entry.local = local
+        set_local(entry, local)
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -136,7 +144,7 @@ def attach_local(entry: ShardedParam) -> None:
     """(Re)make ``entry.local`` (module docstring) unless it is still fresh."""
     param = entry.param
     if not isinstance(param, DTensor):
-        entry.local = None
+        set_local(entry, None)
         return
     if _fresh(entry):
         return
@@ -145,7 +153,15 @@ def attach_local(entry: ShardedParam) -> None:
         return
     local = param._local_tensor.detach()
     setattr(local, _MADE_FROM, id(param))
+    set_local(entry, local)
+
+
+def set_local(entry: ShardedParam, local: torch.Tensor | None) -> None:
+    """Make ``local`` the plain tensor of ``entry``, where traced code reads it too: the
+    owning modules' dicts of plain tensors (``entry.local_slots``)."""
     entry.local = local
+    for slot, name in entry.local_slots:
+        slot[name] = local
 
 
 class _Group:

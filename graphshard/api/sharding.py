@@ -7,13 +7,14 @@ out (``graphshard.passes.layout``). So ``parameters()``, optimizers, ``state_dic
 torch's utilities (``clip_grad_norm_``, ``numel()``, ``nn.init``) see sharded parameters with their
 global shapes, and gradients arrive as DTensors with the same placements.
 
-Attribute access (``self.weight``) goes through a per-instance subclass whose property
-returns, as with FSDP2, the sharded DTensor parameter outside the model's forward (so a
-module's ``reset_parameters()`` initialises the shards) and ``unshard(param.to_local())``
-inside it: eagerly that all-gathers, and under ``torch.compile`` it leaves a marker node that
-the passes lower into bucketed collectives. Inside means: between the forward pre-hook and
-forward hook of the sharded root or any of its submodules, in a backward (activation
-checkpointing recomputes there), or while Dynamo traces.
+Attribute access (``self.weight``) goes through a per-instance subclass whose
+``__getattr__`` returns, as with FSDP2, the sharded DTensor parameter outside the model's
+forward (so a module's ``reset_parameters()`` initialises the shards) and
+``unshard(param.to_local())`` inside it: eagerly that all-gathers, and under
+``torch.compile`` it leaves a marker node that the passes lower into bucketed collectives.
+Inside means: between the forward pre-hook and forward hook of the sharded root or any of
+its submodules, in a backward (activation checkpointing recomputes there), or while Dynamo
+traces.
 
 A model built on the meta device shards without allocating: each local tensor is a meta
 tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only those.
@@ -44,7 +45,13 @@ from graphshard.api.block_regions import (
 )
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
-from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, register_locals, trains
+from graphshard.api.local_inputs import (
+    LOCAL_INDEX_ATTR,
+    LOCALS_ATTR,
+    register_locals,
+    set_local,
+    trains,
+)
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -377,38 +384,95 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
     """The full parameter ``pname`` of the sharded ``module``, through its ``unshard``
     marker: what reading the attribute means inside a forward, a backward or while Dynamo
     traces. ``state``: its model's (default: looked up by the module's index, the one
-    source Dynamo should see). Dynamo traces this once per parameter, so it is kept short."""
-    attrs = module.__dict__
-    entry = attrs["_graphshard_specs"][pname][0]
-    spec = _fixed_spec(attrs[_SPEC_INDEX_ATTR][pname])
+    source Dynamo should see). Dynamo traces this once per parameter, so it is kept short,
+    and in the common case it reads only what keeps the module's guards skippable
+    (:func:`_sharded_class`): plain attribute reads of the module's dicts of indices and
+    plain tensors (``module.__dict__`` itself would be guarded as an attribute)."""
+    spec = _fixed_spec(module._graphshard_spec_index[pname])
     if state is None:  # while Dynamo traces: a trainable parameter is read as its plain local
-        state = ROOT_STATES[attrs[_STATE_INDEX_ATTR]]
-        if trains(attrs[LOCAL_INDEX_ATTR][pname]):
-            return read_param(entry.local, entry, spec, state.sync)
+        state = ROOT_STATES[module._graphshard_state_index]
+        if trains(module._graphshard_local_index[pname]):
+            shard = module._graphshard_locals[pname]
+            if (state.sync == GradSync.FULL and not state.folds_held_back
+                    and not module._graphshard_holds_tp and not shard.is_meta):
+                return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
+            return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
+    entry = module._graphshard_specs[pname][0]
     return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
 
 
-def _sharded_class(cls: type, names: Iterable[str]) -> type:
-    def make_property(pname: str) -> property:
-        def get(self):
-            attrs = self.__dict__
-            region = attrs.get(REGION_PARAMS_ATTR)
-            if region is not None:  # inside a block's compile region: gathered outside it
-                return region[pname]
-            if torch.compiler.is_compiling():
-                return gathered_param(self, pname)
-            state = attrs["_graphshard_root_state"]
-            if not reads_gather(state):
-                return self._parameters[pname]
-            full = gathered_param(self, pname, state)
-            if state.forward_depth > 0:
-                note_eager_read(state, full, attrs["_graphshard_specs"][pname][0].names[0])
-            return full
+# The attributes a sharded module holds (set by :func:`shard`; traced code reads them as
+# attributes, by these names): whether any of its parameters is tensor-parallel (read
+# re-wrapped), and, for :mod:`graphshard.api.block_regions`, the parameters gathered for the
+# block region being traced (None outside one).
+_HOLDS_TP_ATTR = "_graphshard_holds_tp"
+_PREFIX = "_graphshard_"
 
-        return property(get)
 
-    attrs = {name: make_property(name) for name in names}
-    attrs["_graphshard_original_class"] = cls
+def _sharded_read(self: nn.Module, name: str) -> Any:
+    """The sharded parameter ``name`` of ``self`` outside a forward, the gathered one inside
+    it (module docstring)."""
+    region = self._graphshard_region_params
+    if region is not None:  # inside a block's compile region: gathered outside it
+        return region[name]
+    if torch.compiler.is_compiling():
+        return gathered_param(self, name)
+    state = self._graphshard_root_state
+    if not reads_gather(state):
+        return self._parameters[name]
+    full = gathered_param(self, name, state)
+    if state.forward_depth > 0:
+        note_eager_read(state, full, self._graphshard_specs[name][0].names[0])
+    return full
+
+
+# Names the lookup below leaves to nn.Module at once: its tables (missing only while a module
+# is being built or copied) and graphshard's own attributes (never sharded parameters).
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _sharded_getattr(self: nn.Module, name: str) -> Any:
+    """``__getattr__`` of a sharded module whose class has nn.Module's: the sharded
+    parameters (:func:`_sharded_read`), then nn.Module's own lookup (parameters, buffers,
+    submodules) written as plain attribute reads. Called by name, nn.Module's ``__getattr__``
+    reads ``self.__dict__``, which Dynamo guards as an attribute of the module, and a
+    closure, or an attribute of the class, would be guarded through the module too: either
+    keeps Dynamo from skipping the module's guards (:func:`_sharded_class`)."""
+    if name in _MODULE_TABLES or name.startswith(_PREFIX):
+        return nn.Module.__getattr__(self, name)
+    if name in self._graphshard_spec_index:
+        return _sharded_read(self, name)
+    parameters = self._parameters
+    if name in parameters:
+        return parameters[name]
+    buffers = self._buffers
+    if name in buffers:
+        return buffers[name]
+    modules = self._modules
+    if name in modules:
+        return modules[name]
+    return nn.Module.__getattr__(self, name)  # raises its AttributeError
+
+
+def _sharded_class(cls: type) -> type:
+    """The per-instance class of a module holding sharded parameters: its ``__getattr__``
+    answers for them (:func:`_sharded_read`) and leaves every other name to the class's own.
+
+    Not a property per parameter: torch's Dynamo skips a module's guards at every step while
+    its dicts are unchanged only when every attribute of its class it read is a function or
+    an immutable value, and a property is neither (torch 2.11: 1.6-2.2 ms a step of guards
+    on llama-1b, against 0.1 for the plain model; ``docs/torch-versions.md``)."""
+    own = cls.__getattr__
+    if own is nn.Module.__getattr__:
+        getattr_ = _sharded_getattr
+    else:  # a class with a __getattr__ of its own (its modules' guards are then not skipped)
+
+        def getattr_(self: nn.Module, name: str) -> Any:
+            if name.startswith(_PREFIX) or name not in self._graphshard_spec_index:
+                return own(self, name)
+            return _sharded_read(self, name)
+
+    attrs = {"__getattr__": getattr_, "_graphshard_original_class": cls}
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 
@@ -644,9 +708,15 @@ def shard(
             pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
         sub.__dict__[LOCAL_INDEX_ATTR] = {
             pname: local_index[id(entry)] for pname, (entry, _) in specs.items()}
+        locals_ = sub.__dict__[LOCALS_ATTR] = {}
+        for pname, (entry, _) in specs.items():
+            entry.local_slots.append((locals_, pname))
+            set_local(entry, entry.local)
+        sub.__dict__[_HOLDS_TP_ATTR] = any(entry.tp is not None for entry, _ in specs.values())
+        sub.__dict__[REGION_PARAMS_ATTR] = None
         sub._graphshard_root_state = state
         sub.__dict__[_STATE_INDEX_ATTR] = state_index
-        sub.__class__ = _sharded_class(type(sub), specs)
+        sub.__class__ = _sharded_class(type(sub))
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     # Buffers are read by the compute: on the mesh's device, as FSDP2 puts them, also when
