@@ -5,7 +5,7 @@
 # that a slow stage cannot eat the ones after it. Results and logs go to $OUT (default
 # gpu_out/); a stage that ran out of time says so in summary.txt and the next one starts.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh     # tier, bench1, offload: at most 9 minutes
+#   OUT=/some/dir bash bench/gpu_check.sh     # tier, bench1, offload: at most 10 minutes
 #   STAGES="medium bench8" bash bench/gpu_check.sh   # a second call: llama-medium, fake world
 #   TIER_S=300 BENCH1_S=200 bash bench/gpu_check.sh   # other limits per stage (seconds)
 #
@@ -21,11 +21,13 @@
 #            crowd an 80 GB card
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
 #            (issue 26's target: at most 1.10x) and DDP + compile, with device time
-#   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled (and with
-#            reshard_after_forward="auto", which keeps the gathered parameters on an 80 GB
-#            card: the shards cross the bus once a step, not twice)
-#            against FSDP2's (eager) and graphshard without offload (issue 23's targets). Each
-#            offloading system keeps ~18 GB of fp32 state in host memory (3 of them here).
+#   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled, with the
+#            gradients' copies on a copy stream (grad_copy_stream=True: they overlap the
+#            shards' copies the other way), and that with reshard_after_forward="auto" too
+#            (which keeps the gathered parameters on an 80 GB card: the shards cross the bus
+#            once a step, not twice), against FSDP2's (eager) and graphshard without offload
+#            (issue 23's targets). Each offloading system keeps ~18 GB of fp32 state in host
+#            memory (4 of them here).
 #            The step includes AdamW on the host; a compiled row's forward + backward is its
 #            step less the host-tax "optimizer" column
 #   bench8   fake world of 8, llama-1b in bf16: graphshard against SimpleFSDP's block and
@@ -84,11 +86,12 @@ stage medium "${MEDIUM_S:-150}" python -m bench.step --device cuda --world-size 
     --optimizer fused --host-tax-steps 2 --device-profile-steps 2 \
     --systems graphshard-compiled single-compiled ddp-compiled \
     --json "$OUT/medium.json" --markdown "$OUT/medium.md"
-stage offload "${OFFLOAD_S:-200}" python -m bench.step --device cuda --world-size 1 \
+stage offload "${OFFLOAD_S:-230}" python -m bench.step --device cuda --world-size 1 \
     --model llama-1b --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 6 --warmup 2 \
     --optimizer fused --host-tax-steps 2 --systems graphshard-offload-compiled \
-    'graphshard-offload-compiled[reshard_after_forward=auto]' fsdp2-offload-eager \
-    graphshard-compiled \
+    'graphshard-offload-compiled[grad_copy_stream=True]' \
+    'graphshard-offload-compiled[reshard_after_forward=auto,grad_copy_stream=True]' \
+    fsdp2-offload-eager graphshard-compiled \
     --json "$OUT/offload.json" --markdown "$OUT/offload.md"
 stage bench8 "${BENCH8_S:-330}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \

@@ -7,6 +7,7 @@ in one process and used offline on models far larger than the machine.
 from graphshard.passes.bucketing import assign_buckets
 from graphshard.passes.dedupe import dedupe_unshard
 from graphshard.passes.fold_views import fold_views
+from graphshard.passes.grad_copy_stream import grad_copy_stream
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.lower_reduce_grad import lower_reduce_grad
 from graphshard.passes.lower_unshard import lower_unshard
@@ -30,6 +31,7 @@ __all__ = [
     "dedupe_unshard",
     "Dim0Layout",
     "fold_views",
+    "grad_copy_stream",
     "is_reduce_grad",
     "is_unshard",
     "lower_reduce_grad",

@@ -4,10 +4,22 @@ CPU offload brings each bucket's reduced gradients back to the host shard's ``.g
 plain copy (``aten._to_copy``, or Inductor's lowering of ``prims.device_put``) lands in
 pageable memory, which the driver copies through a staging buffer at a fraction of the
 bus's bandwidth. This op allocates the destination pinned (from torch's caching host
-allocator, so a step reuses the last step's blocks) and copies at full bandwidth. The copy
-is blocking: ``.grad`` is complete when it returns, so autograd may accumulate into it
-and the optimizer may read it. A tensor already on the CPU (the host standing in for the
-device in CPU tests) is copied into ordinary memory. Inductor calls it as an extern kernel.
+allocator, so a step reuses the last step's blocks) and copies at full bandwidth. A tensor
+already on the CPU (the host standing in for the device in CPU tests) is copied into
+ordinary memory. Inductor calls it as an extern kernel.
+
+By default (``wait=True``) the copy runs on the current stream and is waited for: ``.grad``
+is complete when it returns, so autograd may accumulate into it and the optimizer may read
+it. Each such copy stops the host until the device has caught up, and on the compute stream
+it cannot overlap the host-to-device copies of the next buckets' gathers.
+
+With ``graphshard.backend(grad_copy_stream=True)`` (:mod:`graphshard.passes.grad_copy_stream`)
+the copies of a CUDA graph run on a copy stream of their own, after the work issued so far
+on the current stream: there they overlap compute and, the bus being full duplex, the
+host-to-device copies. All but a graph's last are not waited for (``wait=False``: nothing
+reads their result before the graph returns); the last waits for itself and so for every
+copy issued before it on that stream, and takes those copies' results as ``issued``, which
+it does not read, so that no scheduler can move it before them.
 """
 
 from __future__ import annotations
@@ -16,18 +28,45 @@ import torch
 
 __all__ = ["TO_HOST", "to_host"]
 
+# One copy stream per CUDA device, made at its first use.
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
-@torch.library.custom_op("graphshard::to_host", mutates_args=())
-def to_host(x: torch.Tensor) -> torch.Tensor:
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+@torch.library.custom_op(
+    "graphshard::to_host", mutates_args=(),
+    schema="(Tensor x, bool wait=True, Tensor[]? issued=None) -> Tensor",
+)
+def to_host(x: torch.Tensor, wait: bool = True, issued: list[torch.Tensor] | None = None
+            ) -> torch.Tensor:
     """``x`` copied to a new contiguous host tensor (pinned when ``x`` is on an
-    accelerator); the copy has finished when this returns."""
+    accelerator). ``wait``: the copy, and on CUDA with ``issued`` every copy issued before
+    it on the copy stream, has finished when this returns. ``wait=False`` (CUDA): the copy
+    is issued on the copy stream and left running; the result may be read only after a
+    later copy that waits (module docstring). Elsewhere every copy waits."""
     out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.device.type != "cpu")
-    out.copy_(x)
+    if x.device.type != "cuda" or (wait and issued is None):
+        out.copy_(x)
+        return out
+    stream = _copy_stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))  # x and all before it are ready
+    with torch.cuda.stream(stream):
+        out.copy_(x, non_blocking=True)  # the host allocator keeps ``out`` until it is done
+    x.record_stream(stream)  # the device allocator keeps ``x`` until the copy has read it
+    if wait:
+        stream.synchronize()
     return out
 
 
 @to_host.register_fake
-def _to_host_fake(x: torch.Tensor) -> torch.Tensor:
+def _to_host_fake(x: torch.Tensor, wait: bool = True,
+                  issued: list[torch.Tensor] | None = None) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 

@@ -131,6 +131,11 @@ class Plan:
             copy); the backend runs the pieces as one group (NCCL) or packs them itself
             (gloo). With ``step_prefetch`` every bucket stays flat (the optimizer step
             gathers flat buffers).
+        grad_copy_stream: under CPU offload, copy the backward's gradients to the host on a
+            copy stream of their own, waiting once per graph, where the default copies each
+            bucket's on the compute stream and waits for it
+            (:mod:`graphshard.passes.grad_copy_stream`). Off by default: not yet measured on
+            a GPU, and nothing changes on the CPU.
 
     Every option is checked when the plan is made (so at ``graphshard.backend(...)``, not at
     the first compile): a wrong type raises ``GraphshardTypeError`` and a value out of range
@@ -148,6 +153,7 @@ class Plan:
     reduce_scatter_via: str = "auto"
     memory_budget: int | str | None = None
     all_gather_via: str = "flat"
+    grad_copy_stream: bool = False
 
     def __post_init__(self) -> None:
         _check_int("prefetch_depth", self.prefetch_depth, 0, self,
@@ -157,7 +163,8 @@ class Plan:
                        "a byte count such as 2 * 2**30, or None for no cap")
         _check_choice("bucketing", self.bucketing, BUCKETING)
         _check_int("bucket_bytes", self.bucket_bytes, 1, self, "a byte count such as 25 * 2**20")
-        for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce"):
+        for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce",
+                     "grad_copy_stream"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
         _check_choice("all_gather_via", self.all_gather_via, ALL_GATHER_VIA)

@@ -284,6 +284,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16": {"offload": True, "param_dtype": "bfloat16"},
     "no_sync": {"offload": True, "no_sync_first": True},
     "kept": {"offload": True, "reshard_after_forward": False},
+    "copy_stream": {"offload": True, "grad_copy_stream": True},
 }
 
 

@@ -312,6 +312,61 @@ def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(trac
     assert grads and all(g["device"] == "cpu" for g in grads)
 
 
+def test_gradients_on_a_copy_stream_wait_once_at_the_last_copy(traced):
+    """``backend(grad_copy_stream=True)``: every copy but the graph's last is left running
+    (nothing but views of it before the output), and the last waits, with every earlier copy
+    as an operand so that no scheduler moves it before them. The default waits at each."""
+    default = copies(graph(traced["offload"], "bw"), "d2h")
+    assert len(default) == 4 and all(c["kwargs"] == {} for c in default)
+    records = graph(traced["copy_stream"], "bw")
+    order, nodes = position(records), by_name(records)
+    *early, last = copies(records, "d2h")
+    assert len(early) == 3
+    assert all(c["kwargs"] == {"wait": "False"} for c in early)
+    assert last["kwargs"]["wait"] == "True"
+    assert set(last["inputs"][1:]) == {c["name"] for c in early}
+    assert all(order[c["name"]] < order[last["name"]] for c in early)
+    for copy in early:  # read by nothing but views on their way to the output
+        pending = users(records, copy["name"])
+        while pending:
+            user = pending.pop()
+            if user["target"] != "output" and user is not last:  # (last: ordering only)
+                assert user["target"].split(".")[1] in ("slice", "view", "as_strided"), user
+                pending += users(records, user["name"])
+    assert [c["copy"]["bucket"] for c in (*early, last)] == [c["copy"]["bucket"] for c in default]
+    assert nodes[last["name"]]["device"] == "cpu"
+
+
+def test_a_copy_the_graph_reads_still_waits():
+    """A copy whose result the graph computes with (a sum on the host) must have finished
+    first: it waits, and lists the copies issued before it."""
+    from torch import fx
+
+    from graphshard.passes import Plan, grad_copy_stream
+    from graphshard.passes.host_copy import TO_HOST as to_host
+
+    graph_ = fx.Graph()
+    a, b, c = (graph_.placeholder(name) for name in "abc")
+    copies_ = []
+    for k, x in enumerate((a, b, c)):
+        copy = graph_.call_function(to_host, (x,))
+        copy.meta["graphshard_copy"] = {"direction": "d2h", "bucket": k}
+        copies_.append(copy)
+    viewed = graph_.call_function(torch.ops.aten.view.default, (copies_[0], [-1]))
+    summed = graph_.call_function(torch.ops.aten.sum.default, (copies_[1],))
+    graph_.output((viewed, summed, copies_[2]))
+    gm = grad_copy_stream(fx.GraphModule(nn.Module(), graph_), Plan(grad_copy_stream=True))
+    first, read, last = copies_
+    assert first.kwargs == {"wait": False}
+    assert read.kwargs == {"wait": True, "issued": [first]}
+    assert last.kwargs == {"wait": True, "issued": [first]}
+    inputs = [torch.arange(4.0), torch.ones(3), torch.zeros(2)]
+    out = gm(*inputs)  # on the CPU every copy is synchronous
+    assert torch.equal(out[0], inputs[0]) and torch.equal(out[2], inputs[2])
+    assert out[1].item() == 3.0
+    assert grad_copy_stream(gm, Plan()).graph is gm.graph  # off: nothing changes
+
+
 def test_no_sync_accumulates_on_the_device_and_the_synced_step_copies_once(traced):
     result = traced["no_sync"]
     assert result["accumulators"] == [ACCEL]
@@ -455,9 +510,11 @@ def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("param_dtype,backend_options", [
+    (None, {}), (torch.bfloat16, {}), (None, {"grad_copy_stream": True}),
+], ids=["fp32", "bf16", "grad_copy_stream"])
 def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
-    one_rank, monkeypatch, param_dtype
+    one_rank, monkeypatch, param_dtype, backend_options
 ):
     """Inductor lowers every copy the passes insert (it has no lowering of its own for
     ``aten._to_copy``, which it expects AOTAutograd to have decomposed), and the offloaded
@@ -476,12 +533,15 @@ def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
     graphshard.shard(offloaded, mixed_precision=mp,
                      offload=graphshard.CPUOffload(pin_memory=False))
     assert shard_state(offloaded).compute_device == "cpu"
-    backend = graphshard.backend()
+    backend = graphshard.backend(**backend_options)
     offload_losses = _train_compiled(offloaded, backend)
     stages = backend.graphs[-1]
     directions = Counter(n.meta["graphshard_copy"]["direction"] for stage in ("fw", "bw")
                          for n in stages[stage].graph.nodes if n.meta.get("graphshard_copy"))
     assert directions["h2d"] >= 4 and directions["d2h"] >= 4  # Inductor compiled the copies
+    waits = [n.kwargs.get("wait", True) for n in stages["bw"].graph.nodes
+             if n.meta.get("graphshard_copy", {}).get("direction") == "d2h"]
+    assert waits.count(False) == (len(waits) - 1 if backend_options else 0)
     assert offload_losses == plain_losses
     for (name, a), b in zip(plain.state_dict().items(), offloaded.state_dict().values(),
                             strict=True):

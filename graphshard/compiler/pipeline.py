@@ -15,7 +15,9 @@ Stages and their passes (each dumped before and after when a dump directory is s
   from the previous optimizer step);
 - ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
-  last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``.
+  last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
+  ``grad_copy_stream`` (with that option, offloaded gradients go to the host on a copy
+  stream, waited for once).
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -33,6 +35,7 @@ from graphshard.passes import (
     assign_buckets,
     dedupe_unshard,
     fold_views,
+    grad_copy_stream,
     lower_reduce_grad,
     lower_unshard,
     merge_reduce_grad,
@@ -57,7 +60,8 @@ PIPELINE: dict[str, list[Pass]] = {
     "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
-    "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce],
+    "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
+           grad_copy_stream],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,

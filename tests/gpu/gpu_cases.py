@@ -298,6 +298,27 @@ def _grads_on_host(model: nn.Module) -> None:
     assert not wrong, f"gradients not on the host after backward: {wrong}"
 
 
+def case_offload_grad_copy_stream(world: World) -> None:
+    """Compiled ``CPUOffload`` with ``backend(grad_copy_stream=True)``: the gradients go to
+    the host on a copy stream and are waited for once per graph; every step computes
+    bit for bit what the default (a waited copy per bucket) computes, and within tolerance
+    what one process does. Needs a CUDA world."""
+    what = _what(world, "compiled", "offload", "grad_copy_stream")
+    job = offload_job()
+    warm_up(world.device)
+    model = _offloaded(world, "cpu")
+    default = train(world, model, job, "compiled", after_backward=_grads_on_host)
+    del model
+    model = _offloaded(world, "cpu")
+    out = train(world, model, job, "compiled", backend_options={"grad_copy_stream": True},
+                after_backward=_grads_on_host)
+    del model
+    assert out.losses == default.losses, f"{what}: losses {out.losses} != {default.losses}"
+    for name, got in out.final.items():
+        assert torch.equal(got, default.final[name]), f"{what}: final {name} differs"
+    check(out, reference(job, world.device), "fp32", what)
+
+
 def case_offload(world: World, mode: str, recipe: str) -> None:
     """``CPUOffload`` (recipe: see :func:`_offloaded`) trains like one process and like the
     run without offload, with the shards, gradients and optimizer state on the host and

@@ -18,3 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("recipe", ["cpu", "meta"])
 def test_cpu_offload(nccl_world, recipe, mode):
     gpu_cases.case_offload(nccl_world, mode, recipe)
+
+
+def test_cpu_offload_gradients_on_a_copy_stream(nccl_world):
+    gpu_cases.case_offload_grad_copy_stream(nccl_world)
