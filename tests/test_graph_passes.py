@@ -165,6 +165,7 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "bw_03_lower_reduce_grad.txt",
         "bw_04_prefetch.txt",
         "bw_05_overlap_reduce.txt",
+        "bw_06_grad_copy_stream.txt",
         "dynamo_00_input.txt",
         "dynamo_01_dedupe_unshard.txt",
         "dynamo_02_parameters_first_in_regions.txt",
