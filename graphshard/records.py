@@ -51,7 +51,7 @@ class ShardedParam:
     # Where the owning modules hold ``local`` for traced reads: (the module's dict of plain
     # tensors, the parameter's name there). Kept equal to ``local`` by
     # ``graphshard.api.local_inputs``, the one place that sets it.
-    local_slots: list[tuple[dict, str]] = field(default_factory=list)
+    local_slots: list[tuple[dict, str]] = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass

@@ -96,8 +96,7 @@ def _clear_region_params(owners: list[nn.Module]) -> None:
 
 
 # torch 2.13's Dynamo defers its checks of side effects in a higher-order op's body (and
-# accepts a change undone before the body exits) and traces ``del module.__dict__[key]``;
-# 2.11's does neither.
+# accepts a change undone before the body exits); 2.11's does not.
 DEFERS_SIDE_EFFECT_CHECKS = hasattr(torch._dynamo.side_effects.SideEffects,
                                     "defer_side_effect_checks")
 

@@ -11,10 +11,10 @@ Attribute access (``self.weight``) goes through a per-instance subclass whose
 ``__getattr__`` returns, as with FSDP2, the sharded DTensor parameter outside the model's
 forward (so a module's ``reset_parameters()`` initialises the shards) and
 ``unshard(param.to_local())`` inside it: eagerly that all-gathers, and under
-``torch.compile`` it leaves a marker node that the passes lower into bucketed collectives.
-Inside means: between the forward pre-hook and forward hook of the sharded root or any of
-its submodules, in a backward (activation checkpointing recomputes there), or while Dynamo
-traces.
+``torch.compile`` it leaves a marker node that the passes lower into bucketed collectives
+(:mod:`graphshard.api.param_reads`). Inside means: between the forward pre-hook and forward
+hook of the sharded root or any of its submodules, in a backward (activation checkpointing
+recomputes there), or while Dynamo traces.
 
 A model built on the meta device shards without allocating: each local tensor is a meta
 tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only those.
@@ -22,9 +22,7 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 
 from __future__ import annotations
 
-import itertools
 import sys
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -39,19 +37,12 @@ from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F4
 from graphshard.api.block_regions import (
     DEFERS_SIDE_EFFECT_CHECKS,
     DEPTH_HOOK_ATTR,
-    REGION_PARAMS_ATTR,
     install_block_regions,
     unchecked_side_effect,
 )
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
-from graphshard.api.local_inputs import (
-    LOCAL_INDEX_ATTR,
-    LOCALS_ATTR,
-    register_locals,
-    set_local,
-    trains,
-)
+from graphshard.api.local_inputs import register_locals
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
     CPUOffload,
@@ -59,6 +50,7 @@ from graphshard.api.offload import (
     keep_buffers_on_device,
     resolve_offload,
 )
+from graphshard.api.param_reads import install_reads, register_state
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
@@ -67,10 +59,10 @@ from graphshard.errors import (
     GraphshardValueError,
 )
 from graphshard.passes.layout import Dim0Layout
-from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec, reshard_code
-from graphshard.records import ROOT_STATES, STATE_ATTR, ShardedParam, ShardState
+from graphshard.passes.markers import GradSync, UnshardSpec, reshard_code
+from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
-from graphshard.safety.mutation import end_eager_reads, note_eager_read
+from graphshard.safety.mutation import end_eager_reads
 from graphshard.safety.rank_agreement import check_same_forward
 
 __all__ = [
@@ -300,182 +292,6 @@ def sharded_parameter(
     return nn.Parameter(dtensor, requires_grad=full.requires_grad)
 
 
-def read_param(
-    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
-) -> torch.Tensor:
-    """The parameter inside the forward: the full tensor through the ``unshard`` marker, or
-    under tensor parallelism the dp-gathered TP piece as the TP DTensor."""
-    full = _read_param(shard, entry, spec, sync)
-    return full if entry.tp is None else entry.tp.wrap(full)
-
-
-def _read_param(
-    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
-) -> torch.Tensor:
-    """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
-    if shard.is_meta:
-        raise guards.ShardedModelError(
-            f"Parameter {entry.names[0]!r} is still on the meta device: a model built under "
-            "torch.device('meta') and sharded has no values yet. Call "
-            "model.to_empty(device=...) and then initialise it (model.init_weights() or each "
-            "module's reset_parameters()) or load it (dcp.load(model.state_dict(), ...) or "
-            "set_model_state_dict(..., StateDictOptions(full_state_dict=True, "
-            "broadcast_from_rank0=True))) before running it."
-        )
-    if not shard.requires_grad:
-        return UNSHARD(shard, *spec)
-    if sync == GradSync.NONE:
-        return UNSHARD(shard, *spec, sync, entry.unreduced)
-    if sync == GradSync.PARTIAL:
-        return UNSHARD(shard, *spec, sync, entry.partial)
-    armed = entry.armed
-    if armed is None:
-        return UNSHARD(shard, *spec, sync)
-    entry.armed = None  # this read folds the held-back gradient in; later reads must not
-    entry.folding = True
-    return UNSHARD(shard, *spec, sync, None, *armed)
-
-
-def reads_gather(state: ShardState) -> bool:
-    """Whether an attribute read now means "the full parameter" (inside a forward of the
-    sharded model, in a backward, or while Dynamo traces) rather than "the sharded one"."""
-    return (
-        torch.compiler.is_compiling()
-        or state.forward_depth > 0
-        or torch._C._current_graph_task_id() != -1
-    )
-
-
-# Every UnshardSpec shard() made, as the plain tuple Dynamo takes; a sharded module holds its
-# parameters' indices here (``_graphshard_spec_index``: parameter name -> index).
-_SPECS: list[tuple] = []
-_SPEC_INDEX_ATTR = "_graphshard_spec_index"
-
-
-def _register_spec(spec: UnshardSpec) -> int:
-    _SPECS.append(tuple(spec))
-    return len(_SPECS) - 1
-
-
-@torch.compiler.assume_constant_result
-def _fixed_spec(index: int) -> tuple:
-    """The ``unshard`` arguments ``shard()`` fixed for a parameter. They never change after
-    ``shard()``, so Dynamo takes them as a constant behind one guard (on the index) instead
-    of guarding each of their fields on every parameter (some thirty guards per parameter,
-    evaluated at every step). (An index, not the module: torch 2.11's Dynamo takes only
-    constants as the arguments of such a function, and a plain tuple as its result.)"""
-    return _SPECS[index]
-
-
-# A sharded module holds its root's index into ``ROOT_STATES`` (``_graphshard_state_index``).
-_STATE_INDEX_ATTR = "_graphshard_state_index"
-_STATE_INDICES = itertools.count()
-
-
-def _register_state(root: nn.Module, state: ShardState) -> int:
-    index = next(_STATE_INDICES)
-    ROOT_STATES[index] = state
-    weakref.finalize(root, ROOT_STATES.pop, index, None)
-    return index
-
-
-def gathered_param(module: nn.Module, pname: str, state: ShardState | None = None
-                   ) -> torch.Tensor:
-    """The full parameter ``pname`` of the sharded ``module``, through its ``unshard``
-    marker: what reading the attribute means inside a forward, a backward or while Dynamo
-    traces. ``state``: its model's (default: looked up by the module's index, the one
-    source Dynamo should see). Dynamo traces this once per parameter, so it is kept short,
-    and in the common case it reads only what keeps the module's guards skippable
-    (:func:`_sharded_class`): plain attribute reads of the module's dicts of indices and
-    plain tensors (``module.__dict__`` itself would be guarded as an attribute)."""
-    spec = _fixed_spec(module._graphshard_spec_index[pname])
-    if state is None:  # while Dynamo traces: a trainable parameter is read as its plain local
-        state = ROOT_STATES[module._graphshard_state_index]
-        if trains(module._graphshard_local_index[pname]):
-            shard = module._graphshard_locals[pname]
-            if (state.sync == GradSync.FULL and not state.folds_held_back
-                    and not module._graphshard_holds_tp and not shard.is_meta):
-                return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
-            return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
-    entry = module._graphshard_specs[pname][0]
-    return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
-
-
-# The attributes a sharded module holds (set by :func:`shard`; traced code reads them as
-# attributes, by these names): whether any of its parameters is tensor-parallel (read
-# re-wrapped), and, for :mod:`graphshard.api.block_regions`, the parameters gathered for the
-# block region being traced (None outside one).
-_HOLDS_TP_ATTR = "_graphshard_holds_tp"
-_PREFIX = "_graphshard_"
-
-
-def _sharded_read(self: nn.Module, name: str) -> Any:
-    """The sharded parameter ``name`` of ``self`` outside a forward, the gathered one inside
-    it (module docstring)."""
-    region = self._graphshard_region_params
-    if region is not None:  # inside a block's compile region: gathered outside it
-        return region[name]
-    if torch.compiler.is_compiling():
-        return gathered_param(self, name)
-    state = self._graphshard_root_state
-    if not reads_gather(state):
-        return self._parameters[name]
-    full = gathered_param(self, name, state)
-    if state.forward_depth > 0:
-        note_eager_read(state, full, self._graphshard_specs[name][0].names[0])
-    return full
-
-
-# Names the lookup below leaves to nn.Module at once: its tables (missing only while a module
-# is being built or copied) and graphshard's own attributes (never sharded parameters).
-_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
-
-
-def _sharded_getattr(self: nn.Module, name: str) -> Any:
-    """``__getattr__`` of a sharded module whose class has nn.Module's: the sharded
-    parameters (:func:`_sharded_read`), then nn.Module's own lookup (parameters, buffers,
-    submodules) written as plain attribute reads. Called by name, nn.Module's ``__getattr__``
-    reads ``self.__dict__``, which Dynamo guards as an attribute of the module, and a
-    closure, or an attribute of the class, would be guarded through the module too: either
-    keeps Dynamo from skipping the module's guards (:func:`_sharded_class`)."""
-    if name in _MODULE_TABLES or name.startswith(_PREFIX):
-        return nn.Module.__getattr__(self, name)
-    if name in self._graphshard_spec_index:
-        return _sharded_read(self, name)
-    parameters = self._parameters
-    if name in parameters:
-        return parameters[name]
-    buffers = self._buffers
-    if name in buffers:
-        return buffers[name]
-    modules = self._modules
-    if name in modules:
-        return modules[name]
-    return nn.Module.__getattr__(self, name)  # raises its AttributeError
-
-
-def _sharded_class(cls: type) -> type:
-    """The per-instance class of a module holding sharded parameters: its ``__getattr__``
-    answers for them (:func:`_sharded_read`) and leaves every other name to the class's own.
-
-    Not a property per parameter: torch's Dynamo skips a module's guards at every step while
-    its dicts are unchanged only when every attribute of its class it read is a function or
-    an immutable value, and a property is neither (torch 2.11: 1.6-2.2 ms a step of guards
-    on llama-1b, against 0.1 for the plain model; ``docs/torch-versions.md``)."""
-    own = cls.__getattr__
-    if own is nn.Module.__getattr__:
-        getattr_ = _sharded_getattr
-    else:  # a class with a __getattr__ of its own (its modules' guards are then not skipped)
-
-        def getattr_(self: nn.Module, name: str) -> Any:
-            if name.startswith(_PREFIX) or name not in self._graphshard_spec_index:
-                return own(self, name)
-            return _sharded_read(self, name)
-
-    attrs = {"__getattr__": getattr_, "_graphshard_original_class": cls}
-    return type(f"Sharded{cls.__name__}", (cls,), attrs)
-
-
 def _check_shard_options(module: object, mesh: object, reshard_after_forward: object) -> None:
     """The types of :func:`shard`'s arguments, before anything is changed."""
     if not isinstance(module, nn.Module):
@@ -676,7 +492,7 @@ def shard(
                 entry.names.append(fqn)
             owners.setdefault(id(sub), (sub, []))[1].append(pname)
 
-    state_index = _register_state(module, state)
+    state_index = register_state(module, state)
     # what compiled graphs read in place of each DTensor parameter (api.local_inputs)
     local_index = dict(zip(map(id, state.params), register_locals(state.params), strict=True))
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
@@ -703,20 +519,8 @@ def shard(
                 compute_device=compute_device,
             )
             specs[pname] = (entry, spec)
-        sub._graphshard_specs = specs
-        sub.__dict__[_SPEC_INDEX_ATTR] = {
-            pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
-        sub.__dict__[LOCAL_INDEX_ATTR] = {
-            pname: local_index[id(entry)] for pname, (entry, _) in specs.items()}
-        locals_ = sub.__dict__[LOCALS_ATTR] = {}
-        for pname, (entry, _) in specs.items():
-            entry.local_slots.append((locals_, pname))
-            set_local(entry, entry.local)
-        sub.__dict__[_HOLDS_TP_ATTR] = any(entry.tp is not None for entry, _ in specs.values())
-        sub.__dict__[REGION_PARAMS_ATTR] = None
-        sub._graphshard_root_state = state
-        sub.__dict__[_STATE_INDEX_ATTR] = state_index
-        sub.__class__ = _sharded_class(type(sub))
+        install_reads(sub, specs, state, state_index,
+                      {pname: local_index[id(entry)] for pname, (entry, _) in specs.items()})
     if mixed_precision is not None:
         install_casts(module, mixed_precision)
     # Buffers are read by the compute: on the mesh's device, as FSDP2 puts them, also when

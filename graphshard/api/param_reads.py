@@ -1,0 +1,235 @@
+"""How a sharded module's parameters are read: :func:`install_reads`.
+
+:func:`graphshard.shard` gives every module that holds sharded parameters a per-instance
+class whose ``__getattr__`` answers for them: outside a forward the sharded DTensor
+parameter (so ``reset_parameters()`` initialises the shards, as with FSDP2), inside one the
+full parameter through the ``unshard`` marker (eagerly that all-gathers; under
+``torch.compile`` it leaves the marker the passes lower into bucketed collectives), and
+inside a block's compile region the operand gathered outside it
+(:mod:`graphshard.api.block_regions`).
+
+What the traced read touches is chosen for Dynamo's guards, which run before every call of
+the compiled step. torch 2.11's Dynamo skips a module's guards whole while no dict under it
+has changed since the last call, but only a module whose reads are all dicts, functions and
+immutable values reached through its ``__dict__`` and its class's own dicts
+(``docs/torch-versions.md``). So the module holds what the trace reads as plain attributes of
+its instance dict: dicts of indices into constant tables (:func:`_fixed_spec`, the root
+state's index), a dict of its parameters' plain tensors (``ShardedParam.local``, kept equal
+by :func:`graphshard.api.local_inputs.set_local`) and two flags; the records themselves are
+read only where gradients are held back (``no_sync``) or tensor parallelism re-wraps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphshard.api.block_regions import REGION_PARAMS_ATTR
+from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, LOCALS_ATTR, set_local, trains
+from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
+from graphshard.records import ROOT_STATES, ShardedParam, ShardState
+from graphshard.safety import guards
+from graphshard.safety.mutation import note_eager_read
+
+__all__ = ["install_reads", "gathered_param", "read_param", "reads_gather", "register_state"]
+
+
+def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, UnshardSpec]],
+                  state: ShardState, state_index: int, local_index: dict[str, int]) -> None:
+    """Make ``module``'s parameters named in ``specs`` (name -> (record, unshard arguments))
+    read as sharded parameters of the model whose state is ``state`` (``ROOT_STATES``'s
+    ``state_index``); ``local_index``: each name's index for
+    :func:`graphshard.api.local_inputs.trains`."""
+    attrs = module.__dict__
+    attrs["_graphshard_specs"] = specs
+    attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
+    attrs[LOCAL_INDEX_ATTR] = dict(local_index)
+    locals_ = attrs[LOCALS_ATTR] = {}
+    for pname, (entry, _) in specs.items():
+        entry.local_slots.append((locals_, pname))
+        set_local(entry, entry.local)
+    attrs[_HOLDS_TP_ATTR] = any(entry.tp is not None for entry, _ in specs.values())
+    attrs[REGION_PARAMS_ATTR] = None  # set only while a block's region is traced
+    attrs["_graphshard_root_state"] = state
+    attrs[_STATE_INDEX_ATTR] = state_index
+    module.__class__ = _sharded_class(type(module))
+
+
+def read_param(
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+) -> torch.Tensor:
+    """The parameter inside the forward: the full tensor through the ``unshard`` marker, or
+    under tensor parallelism the dp-gathered TP piece as the TP DTensor."""
+    full = _read_param(shard, entry, spec, sync)
+    return full if entry.tp is None else entry.tp.wrap(full)
+
+
+def _read_param(
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+) -> torch.Tensor:
+    """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
+    if shard.is_meta:
+        raise guards.ShardedModelError(
+            f"Parameter {entry.names[0]!r} is still on the meta device: a model built under "
+            "torch.device('meta') and sharded has no values yet. Call "
+            "model.to_empty(device=...) and then initialise it (model.init_weights() or each "
+            "module's reset_parameters()) or load it (dcp.load(model.state_dict(), ...) or "
+            "set_model_state_dict(..., StateDictOptions(full_state_dict=True, "
+            "broadcast_from_rank0=True))) before running it."
+        )
+    if not shard.requires_grad:
+        return UNSHARD(shard, *spec)
+    if sync == GradSync.NONE:
+        return UNSHARD(shard, *spec, sync, entry.unreduced)
+    if sync == GradSync.PARTIAL:
+        return UNSHARD(shard, *spec, sync, entry.partial)
+    armed = entry.armed
+    if armed is None:
+        return UNSHARD(shard, *spec, sync)
+    entry.armed = None  # this read folds the held-back gradient in; later reads must not
+    entry.folding = True
+    return UNSHARD(shard, *spec, sync, None, *armed)
+
+
+def reads_gather(state: ShardState) -> bool:
+    """Whether an attribute read now means "the full parameter" (inside a forward of the
+    sharded model, in a backward, or while Dynamo traces) rather than "the sharded one"."""
+    return (
+        torch.compiler.is_compiling()
+        or state.forward_depth > 0
+        or torch._C._current_graph_task_id() != -1
+    )
+
+
+# Every UnshardSpec shard() made, as the plain tuple Dynamo takes; a sharded module holds its
+# parameters' indices here (``_graphshard_spec_index``: parameter name -> index).
+_SPECS: list[tuple] = []
+_SPEC_INDEX_ATTR = "_graphshard_spec_index"
+
+
+def _register_spec(spec: UnshardSpec) -> int:
+    _SPECS.append(tuple(spec))
+    return len(_SPECS) - 1
+
+
+@torch.compiler.assume_constant_result
+def _fixed_spec(index: int) -> tuple:
+    """The ``unshard`` arguments ``shard()`` fixed for a parameter. They never change after
+    ``shard()``, so Dynamo takes them as a constant behind one guard (on the index) instead
+    of guarding each of their fields on every parameter (some thirty guards per parameter,
+    evaluated at every step). (An index, not the module: torch 2.11's Dynamo takes only
+    constants as the arguments of such a function, and a plain tuple as its result.)"""
+    return _SPECS[index]
+
+
+# A sharded module holds its root's index into ``ROOT_STATES`` (``_graphshard_state_index``).
+_STATE_INDEX_ATTR = "_graphshard_state_index"
+_STATE_INDICES = itertools.count()
+
+
+def register_state(root: nn.Module, state: ShardState) -> int:
+    """Enter ``root``'s ``state`` in ``ROOT_STATES`` (until ``root`` is collected); its index."""
+    index = next(_STATE_INDICES)
+    ROOT_STATES[index] = state
+    weakref.finalize(root, ROOT_STATES.pop, index, None)
+    return index
+
+
+def gathered_param(module: nn.Module, pname: str, state: ShardState | None = None
+                   ) -> torch.Tensor:
+    """The full parameter ``pname`` of the sharded ``module``, through its ``unshard``
+    marker: what reading the attribute means inside a forward, a backward or while Dynamo
+    traces. ``state``: its model's (default: looked up by the module's index, the one
+    source Dynamo should see). Dynamo traces this once per parameter, so it is kept short,
+    and in the common case it reads only what keeps the module's guards skippable
+    (:func:`_sharded_class`): plain attribute reads of the module's dicts of indices and
+    plain tensors (``module.__dict__`` itself would be guarded as an attribute)."""
+    spec = _fixed_spec(module._graphshard_spec_index[pname])
+    if state is None:  # while Dynamo traces: a trainable parameter is read as its plain local
+        state = ROOT_STATES[module._graphshard_state_index]
+        if trains(module._graphshard_local_index[pname]):
+            shard = module._graphshard_locals[pname]
+            if (state.sync == GradSync.FULL and not state.folds_held_back
+                    and not module._graphshard_holds_tp and not shard.is_meta):
+                return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
+            return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
+    entry = module._graphshard_specs[pname][0]
+    return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
+
+
+# On a sharded module: whether any of its parameters is tensor-parallel (read re-wrapped).
+# Traced code reads this and the other attributes :func:`install_reads` sets as attributes,
+# by name (``module._graphshard_holds_tp``), never through ``module.__dict__``.
+_HOLDS_TP_ATTR = "_graphshard_holds_tp"
+_PREFIX = "_graphshard_"  # graphshard's own attributes: never a parameter's name
+
+
+def _sharded_read(self: nn.Module, name: str) -> Any:
+    """The sharded parameter ``name`` of ``self`` outside a forward, the gathered one inside
+    it (module docstring)."""
+    region = self._graphshard_region_params
+    if region is not None:  # inside a block's compile region: gathered outside it
+        return region[name]
+    if torch.compiler.is_compiling():
+        return gathered_param(self, name)
+    state = self._graphshard_root_state
+    if not reads_gather(state):
+        return self._parameters[name]
+    full = gathered_param(self, name, state)
+    if state.forward_depth > 0:
+        note_eager_read(state, full, self._graphshard_specs[name][0].names[0])
+    return full
+
+
+# Names the lookup below leaves to nn.Module at once: its tables (missing only while a module
+# is being built or copied) and graphshard's own attributes (never sharded parameters).
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _sharded_getattr(self: nn.Module, name: str) -> Any:
+    """``__getattr__`` of a sharded module whose class has nn.Module's: the sharded
+    parameters (:func:`_sharded_read`), then nn.Module's own lookup (parameters, buffers,
+    submodules) written as plain attribute reads. Called by name, nn.Module's ``__getattr__``
+    reads ``self.__dict__``, which Dynamo guards as an attribute of the module, and a
+    closure, or an attribute of the class, would be guarded through the module too: either
+    keeps Dynamo from skipping the module's guards (:func:`_sharded_class`)."""
+    if name in _MODULE_TABLES or name.startswith(_PREFIX):
+        return nn.Module.__getattr__(self, name)
+    if name in self._graphshard_spec_index:
+        return _sharded_read(self, name)
+    parameters = self._parameters
+    if name in parameters:
+        return parameters[name]
+    buffers = self._buffers
+    if name in buffers:
+        return buffers[name]
+    modules = self._modules
+    if name in modules:
+        return modules[name]
+    return nn.Module.__getattr__(self, name)  # raises its AttributeError
+
+
+def _sharded_class(cls: type) -> type:
+    """The per-instance class of a module holding sharded parameters: its ``__getattr__``
+    answers for them (:func:`_sharded_read`) and leaves every other name to the class's own.
+
+    Not a property per parameter: torch's Dynamo skips a module's guards at every step while
+    its dicts are unchanged only when every attribute of its class it read is a function or
+    an immutable value, and a property is neither (torch 2.11: 1.6-2.2 ms a step of guards
+    on llama-1b, against 0.1 for the plain model; ``docs/torch-versions.md``)."""
+    own = cls.__getattr__
+    if own is nn.Module.__getattr__:
+        getattr_ = _sharded_getattr
+    else:  # a class with a __getattr__ of its own (its modules' guards are then not skipped)
+
+        def getattr_(self: nn.Module, name: str) -> Any:
+            if name.startswith(_PREFIX) or name not in self._graphshard_spec_index:
+                return own(self, name)
+            return _sharded_read(self, name)
+
+    attrs = {"__getattr__": getattr_, "_graphshard_original_class": cls}
+    return type(f"Sharded{cls.__name__}", (cls,), attrs)
