@@ -14,13 +14,17 @@ With ``Plan.grad_copy_stream`` the copies of the backward run on a copy stream
 - a copy whose result the graph only views (slices, reshapes) on its way to the output is
   issued and not waited for (``wait=False``);
 - every other copy waits, for itself and for the copies issued before it on that stream,
-  and lists those copies as ``issued`` (it does not read them: the operands keep any
-  scheduler from moving it before them). The graph's last copy is always one of these, so
-  every gradient is on the host when the graph returns.
+  and takes as ``issued`` operands, which it does not read, those copies (so that no
+  scheduler moves it before them) and their device sources (so that Inductor, whose buffer
+  reuse knows one stream only, gives no later kernel a source's memory while the copy
+  stream may still be reading it). The graph's last copy is always one of these, so every
+  gradient is on the host when the graph returns.
 
 Only the graph's views touch a copy that is not waited for, and a view reads no data, so no
-host code reads a gradient before its copy has finished. Off by default until measured on a
-GPU; on the CPU every copy is synchronous whatever it is asked.
+host code reads a gradient before its copy has finished. The price: the reduced gradients
+stay on the device until that last copy (at world N, 1/N of the model's gradients in the
+reduce dtype) where the default frees each bucket's after its copy. Off by default until
+measured on a GPU; on the CPU every copy is synchronous whatever it is asked.
 """
 
 from __future__ import annotations
@@ -62,14 +66,15 @@ def grad_copy_stream(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     copies = [node for node in gm.graph.find_nodes(op="call_function", target=TO_HOST)
               if node.meta.get("graphshard_copy", {}).get("direction") == "d2h"]
-    issued: list[fx.Node] = []
+    running: list[fx.Node] = []  # copies left running so far
     for k, copy in enumerate(copies):
         last = k == len(copies) - 1
         if not last and _only_viewed_to_the_output(copy):
             copy.kwargs = {**copy.kwargs, "wait": False}
-            issued.append(copy)
-        else:
-            copy.kwargs = {**copy.kwargs, "wait": True, "issued": list(issued)}
+            running.append(copy)
+        else:  # the copies (its order) and their device sources (their lifetime)
+            issued = running + [c.args[0] for c in running]
+            copy.kwargs = {**copy.kwargs, "wait": True, "issued": issued}
     gm.graph.lint()
     gm.recompile()
     return gm

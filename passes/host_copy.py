@@ -18,8 +18,9 @@ the copies of a CUDA graph run on a copy stream of their own, after the work iss
 on the current stream: there they overlap compute and, the bus being full duplex, the
 host-to-device copies. All but a graph's last are not waited for (``wait=False``: nothing
 reads their result before the graph returns); the last waits for itself and so for every
-copy issued before it on that stream, and takes those copies' results as ``issued``, which
-it does not read, so that no scheduler can move it before them.
+copy issued before it on that stream, and takes those copies' results and sources as
+``issued``, which it does not read: they order it after the copies and keep the sources'
+memory from being reused while the copy stream reads it.
 """
 
 from __future__ import annotations

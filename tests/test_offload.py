@@ -315,7 +315,9 @@ def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(trac
 def test_gradients_on_a_copy_stream_wait_once_at_the_last_copy(traced):
     """``backend(grad_copy_stream=True)``: every copy but the graph's last is left running
     (nothing but views of it before the output), and the last waits, with every earlier copy
-    as an operand so that no scheduler moves it before them. The default waits at each."""
+    as an operand so that no scheduler moves it before them, and their device sources, so
+    that Inductor reuses no source's memory while the copy stream reads it. The default
+    waits at each."""
     default = copies(graph(traced["offload"], "bw"), "d2h")
     assert len(default) == 4 and all(c["kwargs"] == {} for c in default)
     records = graph(traced["copy_stream"], "bw")
@@ -324,7 +326,10 @@ def test_gradients_on_a_copy_stream_wait_once_at_the_last_copy(traced):
     assert len(early) == 3
     assert all(c["kwargs"] == {"wait": "False"} for c in early)
     assert last["kwargs"]["wait"] == "True"
-    assert set(last["inputs"][1:]) == {c["name"] for c in early}
+    # its operands: the running copies (order) and their device sources (lifetime)
+    sources = {c["inputs"][0] for c in early}
+    assert set(last["inputs"][1:]) == {c["name"] for c in early} | sources
+    assert all(nodes[name]["device"] == ACCEL for name in sources)
     assert all(order[c["name"]] < order[last["name"]] for c in early)
     for copy in early:  # read by nothing but views on their way to the output
         pending = users(records, copy["name"])
@@ -358,8 +363,8 @@ def test_a_copy_the_graph_reads_still_waits():
     gm = grad_copy_stream(fx.GraphModule(nn.Module(), graph_), Plan(grad_copy_stream=True))
     first, read, last = copies_
     assert first.kwargs == {"wait": False}
-    assert read.kwargs == {"wait": True, "issued": [first]}
-    assert last.kwargs == {"wait": True, "issued": [first]}
+    assert read.kwargs == {"wait": True, "issued": [first, a]}
+    assert last.kwargs == {"wait": True, "issued": [first, a]}
     inputs = [torch.arange(4.0), torch.ones(3), torch.zeros(2)]
     out = gm(*inputs)  # on the CPU every copy is synchronous
     assert torch.equal(out[0], inputs[0]) and torch.equal(out[2], inputs[2])
