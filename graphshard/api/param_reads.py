@@ -47,7 +47,7 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
     attrs = module.__dict__
     attrs["_graphshard_specs"] = specs
     attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
-    attrs[LOCAL_INDEX_ATTR] = dict(local_index)
+    attrs[LOCAL_INDEX_ATTR] = local_index
     locals_ = attrs[LOCALS_ATTR] = {}
     for pname, (entry, _) in specs.items():
         entry.local_slots.append((locals_, pname))
