@@ -18,6 +18,7 @@ from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
 from graphshard.passes.regions import parameters_first_in_regions, rewire_region_passthrough
 from graphshard.passes.reshard import reshard
+from graphshard.passes.shard_copy_stream import shard_copy_stream
 from graphshard.passes.split_reduce import split_last_reduce
 from graphshard.passes.step_prefetch import step_prefetch
 
@@ -43,5 +44,6 @@ __all__ = [
     "reshard",
     "rewire_region_passthrough",
     "split_last_reduce",
+    "shard_copy_stream",
     "step_prefetch",
 ]

@@ -136,6 +136,11 @@ class Plan:
             bucket's on the compute stream and waits for it
             (:mod:`graphshard.passes.grad_copy_stream`). Off by default: not yet measured on
             a GPU, and nothing changes on the CPU.
+        shard_copy_stream: under CPU offload, copy each bucket's shards to the device on a
+            copy stream of their own, issued one bucket ahead and waited for where the copy
+            was, where the default copies them on the compute stream just before their
+            gather (:mod:`graphshard.passes.shard_copy_stream`). Off by default: not yet
+            measured on a GPU, and nothing changes on the CPU.
 
     Every option is checked when the plan is made (so at ``graphshard.backend(...)``, not at
     the first compile): a wrong type raises ``GraphshardTypeError`` and a value out of range
@@ -154,6 +159,7 @@ class Plan:
     memory_budget: int | str | None = None
     all_gather_via: str = "flat"
     grad_copy_stream: bool = False
+    shard_copy_stream: bool = False
 
     def __post_init__(self) -> None:
         _check_int("prefetch_depth", self.prefetch_depth, 0, self,
@@ -164,7 +170,7 @@ class Plan:
         _check_choice("bucketing", self.bucketing, BUCKETING)
         _check_int("bucket_bytes", self.bucket_bytes, 1, self, "a byte count such as 25 * 2**20")
         for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce",
-                     "grad_copy_stream"):
+                     "grad_copy_stream", "shard_copy_stream"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
         _check_choice("all_gather_via", self.all_gather_via, ALL_GATHER_VIA)

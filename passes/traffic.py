@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from graphshard.passes.device_copy import TO_DEVICE
 from graphshard.passes.fx_util import DEVICE_COPY, LOWERED
 from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.markers import is_collective_start
@@ -153,7 +154,7 @@ def _is_wire(node: fx.Node) -> bool:
 
 
 def _is_device_copy(node: fx.Node) -> bool:
-    return node.target is DEVICE_COPY or node.target is TO_HOST
+    return node.target in (DEVICE_COPY, TO_DEVICE, TO_HOST)
 
 
 def _val(node: fx.Node) -> torch.Tensor:

@@ -285,6 +285,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no_sync": {"offload": True, "no_sync_first": True},
     "kept": {"offload": True, "reshard_after_forward": False},
     "copy_stream": {"offload": True, "grad_copy_stream": True},
+    "shard_stream": {"offload": True, "shard_copy_stream": True},
 }
 
 

@@ -10,6 +10,7 @@ need no autograd. The CPU-only error runs on a real one-rank gloo group.
 from __future__ import annotations
 
 import multiprocessing
+import re
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import torch
 from graph_utils import fake_process_group
 from torch import fx, nn
+from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphshard
@@ -33,6 +35,8 @@ GATHER = "_c10d_functional.all_gather_into_tensor.default"
 WAIT = "_c10d_functional.wait_tensor.default"
 DEVICE_PUT = "prims.device_put.default"
 TO_HOST = "graphshard.to_host.default"
+TO_DEVICE = "graphshard.to_device.default"
+WAIT_COPY = "graphshard.wait_copy.default"
 
 
 class Traced(dict):
@@ -372,6 +376,74 @@ def test_a_copy_the_graph_reads_still_waits():
     assert grad_copy_stream(gm, Plan()).graph is gm.graph  # off: nothing changes
 
 
+@pytest.mark.parametrize("stage", ["fw", "bw"])
+def test_shards_go_to_the_device_on_a_copy_stream_one_bucket_ahead(traced, stage):
+    """``backend(shard_copy_stream=True)``: each host-to-device copy is issued on the copy
+    stream (``graphshard::to_device``) and waited for (``graphshard::wait_copy``) where the
+    default copies, before anything reads it; a bucket's copies are issued before the first
+    wait of the bucket used before it, and not before the one used two buckets before."""
+    default = copies(graph(traced["offload"], stage), "h2d")
+    assert default and all(c["target"] == DEVICE_PUT for c in default)
+    records = graph(traced["shard_stream"], stage)
+    order, nodes = position(records), by_name(records)
+    starts = copies(records, "h2d")
+    assert [r for r in records if r["target"] == DEVICE_PUT] == []
+    assert all(c["target"] == TO_DEVICE for c in starts)
+    # the same copies: buckets, sources, bytes and the device
+    assert sorted((c["copy"]["bucket"], c["nbytes"]) for c in starts) == sorted(
+        (c["copy"]["bucket"], c["nbytes"]) for c in default)
+    assert all(c["device"] == ACCEL and nodes[c["inputs"][0]]["device"] == "cpu" for c in starts)
+    first_wait: dict[int, int] = {}
+    for start in starts:
+        waits = [u for u in users(records, start["name"]) if u["target"] == WAIT_COPY]
+        assert len(waits) == 1, start["name"]
+        readers = [u for u in users(records, start["name"]) if u["target"] != WAIT_COPY]
+        assert readers and all(order[waits[0]["name"]] < order[u["name"]] for u in readers)
+        bucket = start["copy"]["bucket"]
+        first_wait[bucket] = min(first_wait.get(bucket, len(records)), order[waits[0]["name"]])
+    in_use = sorted(first_wait, key=first_wait.get)
+    assert len(in_use) >= 3
+    for k, bucket in enumerate(in_use):
+        for start in (c for c in starts if c["copy"]["bucket"] == bucket):
+            if k >= 1:  # issued while the bucket before computes
+                assert order[start["name"]] < first_wait[in_use[k - 1]], start["name"]
+            if k >= 2:  # no more than one bucket ahead
+                assert order[start["name"]] > first_wait[in_use[k - 2]], start["name"]
+
+
+def test_a_shard_copy_made_in_the_graph_is_issued_after_its_source():
+    """``shard_copy_stream`` never issues a copy before its host input exists, and an
+    unrelated device copy (not a shard's) is left alone."""
+    from graphshard.passes import shard_copy_stream
+    from graphshard.passes.device_copy import TO_DEVICE as to_device
+    from graphshard.passes.device_copy import WAIT_COPY as wait_copy
+
+    device_put = torch.ops.prims.device_put.default
+    graph_ = fx.Graph()
+    a, b = graph_.placeholder("a"), graph_.placeholder("b")
+    outputs = []
+    for k, source in enumerate((a, b)):
+        if k == 1:  # made inside the graph, after bucket 0's use
+            source = graph_.call_function(torch.ops.aten.mul.Tensor, (source, 2.0))
+        copy = graph_.call_function(device_put, (source, torch.device("cpu"), True))
+        copy.meta["graphshard_copy"] = {"direction": "h2d", "bucket": k}
+        outputs.append(graph_.call_function(torch.ops.aten.sin.default, (copy,)))
+    other = graph_.call_function(device_put, (a, torch.device("cpu"), True))
+    graph_.output((*outputs, other))
+    gm = shard_copy_stream(fx.GraphModule(nn.Module(), graph_), Plan(shard_copy_stream=True))
+    nodes = list(gm.graph.nodes)
+    starts = [n for n in nodes if n.target is to_device]
+    waits = [n for n in nodes if n.target is wait_copy]
+    assert len(starts) == 2 and len(waits) == 2 and nodes.count(other) == 1
+    assert nodes.index(starts[0]) == 2  # bucket 0: before the graph's first node
+    mul = next(n for n in nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert nodes.index(starts[1]) == nodes.index(mul) + 1  # bucket 1: right after its source
+    inputs = [torch.arange(3.0), torch.ones(3)]
+    out = gm(*inputs)
+    assert torch.equal(out[0], inputs[0].sin()) and torch.equal(out[1], (2 * inputs[1]).sin())
+    assert shard_copy_stream(gm, Plan()).graph is gm.graph  # off: nothing changes
+
+
 def test_no_sync_accumulates_on_the_device_and_the_synced_step_copies_once(traced):
     result = traced["no_sync"]
     assert result["accumulators"] == [ACCEL]
@@ -501,6 +573,26 @@ def _host_as_device(monkeypatch) -> None:
     monkeypatch.setattr(sharding, "resolve_offload", resolve)
 
 
+def _waits_before_reads(module: str) -> int:
+    """How many ``wait_copy`` calls Inductor's code for a graph makes; each must come before
+    every mention of its buffer after that buffer is made, metadata checks aside (the wait
+    is declared to write it, so no scheduler may put a reader first)."""
+    lines = module.splitlines()
+    waits = 0
+    for i, line in enumerate(lines):
+        found = re.search(r"graphshard\.wait_copy\.default\((buf\d+)\)", line)
+        if found is None:
+            continue
+        waits += 1
+        name = re.compile(rf"\b{found.group(1)}\b")
+        made = max(j for j in range(i) if re.match(rf"\s*{found.group(1)} = ", lines[j]))
+        for earlier in lines[made + 1 : i]:
+            text = earlier.strip()
+            assert not name.search(text) or text.startswith(("#", "assert_")), (
+                f"{found.group(1)} read before its wait_copy: {text}")
+    return waits
+
+
 def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -517,7 +609,8 @@ def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
 
 @pytest.mark.parametrize("param_dtype,backend_options", [
     (None, {}), (torch.bfloat16, {}), (None, {"grad_copy_stream": True}),
-], ids=["fp32", "bf16", "grad_copy_stream"])
+    (torch.bfloat16, {"shard_copy_stream": True, "grad_copy_stream": True}),
+], ids=["fp32", "bf16", "grad_copy_stream", "shard_copy_stream"])
 def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
     one_rank, monkeypatch, param_dtype, backend_options
 ):
@@ -539,14 +632,17 @@ def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
                      offload=graphshard.CPUOffload(pin_memory=False))
     assert shard_state(offloaded).compute_device == "cpu"
     backend = graphshard.backend(**backend_options)
-    offload_losses = _train_compiled(offloaded, backend)
+    offload_losses, code = run_and_get_code(_train_compiled, offloaded, backend)
+    if backend_options.get("shard_copy_stream"):
+        assert sum(_waits_before_reads(module) for module in code) >= 8
     stages = backend.graphs[-1]
     directions = Counter(n.meta["graphshard_copy"]["direction"] for stage in ("fw", "bw")
                          for n in stages[stage].graph.nodes if n.meta.get("graphshard_copy"))
     assert directions["h2d"] >= 4 and directions["d2h"] >= 4  # Inductor compiled the copies
     waits = [n.kwargs.get("wait", True) for n in stages["bw"].graph.nodes
              if n.meta.get("graphshard_copy", {}).get("direction") == "d2h"]
-    assert waits.count(False) == (len(waits) - 1 if backend_options else 0)
+    running = backend_options.get("grad_copy_stream", False)
+    assert waits.count(False) == (len(waits) - 1 if running else 0)
     assert offload_losses == plain_losses
     for (name, a), b in zip(plain.state_dict().items(), offloaded.state_dict().values(),
                             strict=True):

@@ -12,12 +12,14 @@ Stages and their passes (each dumped before and after when a dump directory is s
   ``assign_buckets`` (the ``size``/``auto`` strategies),
   ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
 - ``fw``: ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
-  from the previous optimizer step);
-- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``;
+  from the previous optimizer step), ``shard_copy_stream`` (with that option, offloaded
+  shards go to the device on a copy stream, a bucket ahead);
+- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``,
+  ``shard_copy_stream``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
   last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
   ``grad_copy_stream`` (with that option, offloaded gradients go to the host on a copy
-  stream, waited for once).
+  stream, waited for once), ``shard_copy_stream``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -44,6 +46,7 @@ from graphshard.passes import (
     prefetch,
     reshard,
     rewire_region_passthrough,
+    shard_copy_stream,
     split_last_reduce,
     step_prefetch,
 )
@@ -58,10 +61,10 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [dedupe_unshard, parameters_first_in_regions],
     "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
-    "fw": [lower_unshard, prefetch, step_prefetch],
-    "inference": [fold_views, assign_buckets, lower_unshard, prefetch],
+    "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream],
+    "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream],
     "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
-           grad_copy_stream],
+           grad_copy_stream, shard_copy_stream],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
