@@ -22,8 +22,9 @@
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
 #            (issue 26's target: at most 1.10x) and DDP + compile, with device time
 #   offload  world 1, llama-1b in bf16: CPU offload, graphshard's compiled, with the
-#            gradients' copies on a copy stream (grad_copy_stream=True: they overlap the
-#            shards' copies the other way), and that with reshard_after_forward="auto" too
+#            copies on copy streams (grad_copy_stream=True and shard_copy_stream=True: the
+#            gradients' overlap the shards' the other way, the shards' are issued a bucket
+#            ahead of their use), and that with reshard_after_forward="auto" too
 #            (which keeps the gathered parameters on an 80 GB card: the shards cross the bus
 #            once a step, not twice), against FSDP2's (eager) and graphshard without offload
 #            (issue 23's targets). Each offloading system keeps ~18 GB of fp32 state in host
@@ -89,8 +90,8 @@ stage medium "${MEDIUM_S:-150}" python -m bench.step --device cuda --world-size 
 stage offload "${OFFLOAD_S:-230}" python -m bench.step --device cuda --world-size 1 \
     --model llama-1b --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 6 --warmup 2 \
     --optimizer fused --host-tax-steps 2 --systems graphshard-offload-compiled \
-    'graphshard-offload-compiled[grad_copy_stream=True]' \
-    'graphshard-offload-compiled[reshard_after_forward=auto,grad_copy_stream=True]' \
+    'graphshard-offload-compiled[grad_copy_stream=True,shard_copy_stream=True]' \
+    'graphshard-offload-compiled[reshard_after_forward=auto,grad_copy_stream=True,shard_copy_stream=True]' \
     fsdp2-offload-eager graphshard-compiled \
     --json "$OUT/offload.json" --markdown "$OUT/offload.md"
 stage bench8 "${BENCH8_S:-330}" python -m bench.step --device cuda --fake-world 8 --model llama-1b \

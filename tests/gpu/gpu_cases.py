@@ -298,19 +298,21 @@ def _grads_on_host(model: nn.Module) -> None:
     assert not wrong, f"gradients not on the host after backward: {wrong}"
 
 
-def case_offload_grad_copy_stream(world: World) -> None:
-    """Compiled ``CPUOffload`` with ``backend(grad_copy_stream=True)``: the gradients go to
-    the host on a copy stream and are waited for once per graph; every step computes
-    bit for bit what the default (a waited copy per bucket) computes, and within tolerance
-    what one process does. Needs a CUDA world."""
-    what = _what(world, "compiled", "offload", "grad_copy_stream")
+def case_offload_copy_streams(world: World, options: dict[str, bool]) -> None:
+    """Compiled ``CPUOffload`` with the copies on streams of their own (``options``:
+    ``backend(grad_copy_stream=True)``, the gradients to the host, waited for once per
+    graph; ``shard_copy_stream=True``, the shards to the device a bucket ahead, each waited
+    for by an event): every step computes bit for bit what the default (every copy on the
+    compute stream) computes, and within tolerance what one process does. Needs a CUDA
+    world."""
+    what = _what(world, "compiled", "offload", *sorted(options))
     job = offload_job()
     warm_up(world.device)
     model = _offloaded(world, "cpu")
     default = train(world, model, job, "compiled", after_backward=_grads_on_host)
     del model
     model = _offloaded(world, "cpu")
-    out = train(world, model, job, "compiled", backend_options={"grad_copy_stream": True},
+    out = train(world, model, job, "compiled", backend_options=options,
                 after_backward=_grads_on_host)
     del model
     assert out.losses == default.losses, f"{what}: losses {out.losses} != {default.losses}"

@@ -20,5 +20,9 @@ def test_cpu_offload(nccl_world, recipe, mode):
     gpu_cases.case_offload(nccl_world, mode, recipe)
 
 
-def test_cpu_offload_gradients_on_a_copy_stream(nccl_world):
-    gpu_cases.case_offload_grad_copy_stream(nccl_world)
+@pytest.mark.parametrize("options", [
+    {"grad_copy_stream": True}, {"shard_copy_stream": True},
+    {"grad_copy_stream": True, "shard_copy_stream": True},
+], ids=["gradients", "shards", "both"])
+def test_cpu_offload_copies_on_copy_streams(nccl_world, options):
+    gpu_cases.case_offload_copy_streams(nccl_world, options)
