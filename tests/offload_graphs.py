@@ -286,6 +286,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "kept": {"offload": True, "reshard_after_forward": False},
     "copy_stream": {"offload": True, "grad_copy_stream": True},
     "shard_stream": {"offload": True, "shard_copy_stream": True},
+    # HSDP, bf16 and a no_sync step first, without and with both copy streams
+    "mixed": {"offload": True, "mesh_shape": (2, 2), "param_dtype": "bfloat16",
+              "no_sync_first": True},
+    "mixed_streams": {"offload": True, "mesh_shape": (2, 2), "param_dtype": "bfloat16",
+                      "no_sync_first": True, "shard_copy_stream": True,
+                      "grad_copy_stream": True},
 }
 
 

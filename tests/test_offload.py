@@ -377,14 +377,18 @@ def test_a_copy_the_graph_reads_still_waits():
 
 
 @pytest.mark.parametrize("stage", ["fw", "bw"])
-def test_shards_go_to_the_device_on_a_copy_stream_one_bucket_ahead(traced, stage):
+@pytest.mark.parametrize("config,baseline", [
+    ("shard_stream", "offload"), ("mixed_streams", "mixed"),
+], ids=["fsdp", "hsdp_bf16_no_sync_both_streams"])
+def test_shards_go_to_the_device_on_a_copy_stream_one_bucket_ahead(traced, stage, config,
+                                                                    baseline):
     """``backend(shard_copy_stream=True)``: each host-to-device copy is issued on the copy
     stream (``graphshard::to_device``) and waited for (``graphshard::wait_copy``) where the
     default copies, before anything reads it; a bucket's copies are issued before the first
     wait of the bucket used before it, and not before the one used two buckets before."""
-    default = copies(graph(traced["offload"], stage), "h2d")
+    default = copies(graph(traced[baseline], stage), "h2d")
     assert default and all(c["target"] == DEVICE_PUT for c in default)
-    records = graph(traced["shard_stream"], stage)
+    records = graph(traced[config], stage)
     order, nodes = position(records), by_name(records)
     starts = copies(records, "h2d")
     assert [r for r in records if r["target"] == DEVICE_PUT] == []
