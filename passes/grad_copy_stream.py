@@ -12,19 +12,23 @@ With ``Plan.grad_copy_stream`` the copies of the backward run on a copy stream
 (:mod:`graphshard.passes.host_copy`):
 
 - a copy whose result the graph only views (slices, reshapes) on its way to the output is
-  issued and not waited for (``wait=False``);
-- every other copy waits, for itself and for the copies issued before it on that stream,
-  and takes as ``issued`` operands, which it does not read, those copies (so that no
-  scheduler moves it before them) and their device sources (so that Inductor, whose buffer
-  reuse knows one stream only, gives no later kernel a source's memory while the copy
-  stream may still be reading it). The graph's last copy is always one of these, so every
-  gradient is on the host when the graph returns.
+  issued and not waited for on the host (``wait=False``). At most two such copies run at
+  once: each lists the copy two before it, and that copy's device source, as ``retire``, so
+  the compute stream waits there for that copy (an event, no host stop) and the source's
+  memory may be reused after that point. The operand keeps the source alive until then:
+  Inductor's buffer reuse knows one stream only;
+- every other copy waits on the host, for itself and for the copies issued before it on that
+  stream, and takes as ``issued`` operands, which it does not read, the copies still running
+  (so that no scheduler moves it before them) and their device sources (alive until then).
+  The graph's last copy is always one of these, so every gradient is on the host when the
+  graph returns.
 
 Only the graph's views touch a copy that is not waited for, and a view reads no data, so no
-host code reads a gradient before its copy has finished. The price: the reduced gradients
-stay on the device until that last copy (at world N, 1/N of the model's gradients in the
-reduce dtype) where the default frees each bucket's after its copy. Off by default until
-measured on a GPU; on the CPU every copy is synchronous whatever it is asked.
+host code reads a gradient before its copy has finished. The price: two buckets' reduced
+gradients stay on the device until their copies are done, where the default frees each
+bucket's after its copy; the compute stream stops at a bucket only if the copy two buckets
+back has not finished by then. Off by default until measured on a GPU; on the CPU every
+copy is synchronous whatever it is asked.
 """
 
 from __future__ import annotations
@@ -59,22 +63,33 @@ def _only_viewed_to_the_output(node: fx.Node) -> bool:
     return True
 
 
+# Copies left running at once: each retires the one this many copies before it.
+IN_FLIGHT = 2
+
+
 def grad_copy_stream(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Put the backward's device-to-host gradient copies on the copy stream, waiting only
-    where the graph reads a copy and at the last one (module docstring)."""
+    """Put the backward's device-to-host gradient copies on the copy stream, at most
+    ``IN_FLIGHT`` running at once, waiting on the host only where the graph reads a copy and
+    at the last one (module docstring)."""
     if not plan.grad_copy_stream:
         return gm
     copies = [node for node in gm.graph.find_nodes(op="call_function", target=TO_HOST)
               if node.meta.get("graphshard_copy", {}).get("direction") == "d2h"]
-    running: list[fx.Node] = []  # copies left running so far
+    running: list[fx.Node] = []  # copies left running and not yet retired, oldest first
     for k, copy in enumerate(copies):
         last = k == len(copies) - 1
         if not last and _only_viewed_to_the_output(copy):
-            copy.kwargs = {**copy.kwargs, "wait": False}
+            retire: list[fx.Node] = []
+            while len(running) >= IN_FLIGHT:
+                oldest = running.pop(0)
+                retire += [oldest, oldest.args[0]]  # its result (event), its source (life)
+            copy.kwargs = {**copy.kwargs, "wait": False,
+                           **({"retire": retire} if retire else {})}
             running.append(copy)
         else:  # the copies (its order) and their device sources (their lifetime)
             issued = running + [c.args[0] for c in running]
             copy.kwargs = {**copy.kwargs, "wait": True, "issued": issued}
+            running = []
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -316,30 +316,39 @@ def test_reduced_gradients_are_copied_to_the_host_right_after_the_reduction(trac
     assert grads and all(g["device"] == "cpu" for g in grads)
 
 
-def test_gradients_on_a_copy_stream_wait_once_at_the_last_copy(traced):
+def test_gradients_on_a_copy_stream_two_at_once_and_one_host_wait(traced):
     """``backend(grad_copy_stream=True)``: every copy but the graph's last is left running
-    (nothing but views of it before the output), and the last waits, with every earlier copy
-    as an operand so that no scheduler moves it before them, and their device sources, so
-    that Inductor reuses no source's memory while the copy stream reads it. The default
-    waits at each."""
+    (nothing but views of it before the output), at most two at once: each retires the copy
+    two before it (the compute stream waits for it there) and keeps that copy's device source
+    alive until then, so that Inductor reuses no source's memory while the copy stream reads
+    it. The last waits on the host, with the copies still running as operands, so that no
+    scheduler moves it before them, and their sources. The default waits at each."""
     default = copies(graph(traced["offload"], "bw"), "d2h")
     assert len(default) == 4 and all(c["kwargs"] == {} for c in default)
     records = graph(traced["copy_stream"], "bw")
     order, nodes = position(records), by_name(records)
     *early, last = copies(records, "d2h")
     assert len(early) == 3
-    assert all(c["kwargs"] == {"wait": "False"} for c in early)
+    assert all(c["kwargs"]["wait"] == "False" for c in early)
+    for k, copy in enumerate(early):
+        if k < 2:
+            assert "retire" not in copy["kwargs"] and copy["inputs"] == copy["inputs"][:1]
+        else:  # the copy two before, and its source
+            retired = early[k - 2]
+            assert copy["inputs"][1:] == [retired["name"], retired["inputs"][0]]
+            assert order[retired["name"]] < order[copy["name"]]
     assert last["kwargs"]["wait"] == "True"
-    # its operands: the running copies (order) and their device sources (lifetime)
-    sources = {c["inputs"][0] for c in early}
-    assert set(last["inputs"][1:]) == {c["name"] for c in early} | sources
+    # its operands: the copies still running (order) and their device sources (lifetime)
+    still_running = early[-2:]
+    sources = [c["inputs"][0] for c in still_running]
+    assert last["inputs"][1:] == [c["name"] for c in still_running] + sources
     assert all(nodes[name]["device"] == ACCEL for name in sources)
     assert all(order[c["name"]] < order[last["name"]] for c in early)
     for copy in early:  # read by nothing but views on their way to the output
         pending = users(records, copy["name"])
         while pending:
             user = pending.pop()
-            if user["target"] != "output" and user is not last:  # (last: ordering only)
+            if user["target"] != "output" and (user["copy"] or {}).get("direction") != "d2h":
                 assert user["target"].split(".")[1] in ("slice", "view", "as_strided"), user
                 pending += users(records, user["name"])
     assert [c["copy"]["bucket"] for c in (*early, last)] == [c["copy"]["bucket"] for c in default]
@@ -368,7 +377,7 @@ def test_a_copy_the_graph_reads_still_waits():
     first, read, last = copies_
     assert first.kwargs == {"wait": False}
     assert read.kwargs == {"wait": True, "issued": [first, a]}
-    assert last.kwargs == {"wait": True, "issued": [first, a]}
+    assert last.kwargs == {"wait": True, "issued": []}  # the read's wait finished the first
     inputs = [torch.arange(4.0), torch.ones(3), torch.zeros(2)]
     out = gm(*inputs)  # on the CPU every copy is synchronous
     assert torch.equal(out[0], inputs[0]) and torch.equal(out[2], inputs[2])
