@@ -74,7 +74,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, note how it en
 # where installed, spreads them over processes that compile side by side.
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
-stage tier "${TIER_S:-140}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
+stage tier "${TIER_S:-150}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
     --junitxml="$OUT/tier.xml"
 stage bench1 "${BENCH1_S:-210}" python -m bench.step --device cuda --world-size 1 --model llama-1b \
     --mixed-precision bf16 --batch-size 2 --seq-len 1024 --steps 12 --warmup 3 \

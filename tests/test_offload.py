@@ -385,7 +385,7 @@ def test_a_copy_the_graph_reads_still_waits():
     assert grad_copy_stream(gm, Plan()).graph is gm.graph  # off: nothing changes
 
 
-@pytest.mark.parametrize("stage", ["fw", "bw"])
+@pytest.mark.parametrize("stage", ["fw", "bw", "inference"])
 @pytest.mark.parametrize("config,baseline", [
     ("shard_stream", "offload"), ("mixed_streams", "mixed"),
 ], ids=["fsdp", "hsdp_bf16_no_sync_both_streams"])

@@ -21,8 +21,7 @@ def test_cpu_offload(nccl_world, recipe, mode):
 
 
 @pytest.mark.parametrize("options", [
-    {"grad_copy_stream": True}, {"shard_copy_stream": True},
-    {"grad_copy_stream": True, "shard_copy_stream": True},
-], ids=["gradients", "shards", "both"])
+    {"shard_copy_stream": True}, {"grad_copy_stream": True, "shard_copy_stream": True},
+], ids=["shards", "both"])
 def test_cpu_offload_copies_on_copy_streams(nccl_world, options):
     gpu_cases.case_offload_copy_streams(nccl_world, options)
