@@ -5,6 +5,12 @@ communication is hidden behind compute, how much stalls the step (exposed commun
 and how many unsharded bytes are alive at once. Nodes run in graph order; a collective is
 issued on the comm stream when compute reaches it (and the stream is free), and
 ``wait_tensor`` stalls compute until that collective has finished.
+
+CPU offload's copies between host and device take the profile's host link. A copy on the
+compute stream (the default) holds it. One on a copy stream (``shard_copy_stream``,
+``grad_copy_stream``) runs on an ``h2d`` or ``d2h`` lane from the moment compute reaches
+it, and compute stalls where it waits for one (``wait_copy``, a gradient copy's
+``retire``, a copy the host waits for).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from graphshard.passes.cost_model import (
     node_time,
     tensor_bytes,
 )
+from graphshard.passes.device_copy import TO_DEVICE, WAIT_COPY
+from graphshard.passes.fx_util import DEVICE_COPY
+from graphshard.passes.host_copy import TO_HOST
 
 __all__ = ["Event", "Timeline", "simulate", "peak_unsharded_bytes", "gathered_nodes"]
 
@@ -50,7 +59,7 @@ class Event:
     """One interval on a lane; ``kind`` is unshard/reduce_grad/<collective>/compute/exposed."""
 
     name: str
-    lane: str  # "compute" or "comm"
+    lane: str  # "compute", "comm", or a copy stream's "h2d" / "d2h"
     start: float
     end: float
     bucket: int | None = None
@@ -72,6 +81,8 @@ class Timeline:
     compute_time: float = 0.0
     comm_time: float = 0.0
     exposed_comm: float = 0.0
+    copy_time: float = 0.0  # CPU offload's copies over the host link
+    exposed_copy: float = 0.0  # compute stalled on copies of a copy stream
     peak_unsharded_bytes: int = 0
     profile: str = ""
 
@@ -116,6 +127,58 @@ def _waited_collective(node: fx.Node, ends: dict[fx.Node, float]) -> fx.Node | N
     return src if src in ends else None
 
 
+def _copy_direction(node: fx.Node) -> str | None:
+    """"h2d" or "d2h" for a copy between host and device, else None."""
+    if node.target in (DEVICE_COPY, TO_DEVICE):
+        return "h2d"
+    return "d2h" if node.target is TO_HOST else None
+
+
+def _on_copy_stream(node: fx.Node) -> bool:
+    """Whether a host-device copy runs on a copy stream (not on the compute stream)."""
+    if node.target is TO_DEVICE:
+        return True
+    return node.target is TO_HOST and (
+        not node.kwargs.get("wait", True) or node.kwargs.get("issued") is not None)
+
+
+class _Copies:
+    """The copy-stream lanes: when each is free, when each copy ends."""
+
+    def __init__(self, timeline: Timeline, profile: HardwareProfile) -> None:
+        self.timeline, self.profile = timeline, profile
+        self.free = {"h2d": 0.0, "d2h": 0.0}
+        self.ends: dict[fx.Node, float] = {}
+
+    def stall(self, compute_t: float, until: float, name: str, bucket: int | None) -> float:
+        """Compute waits until ``until``; the stall is recorded as exposed copy time."""
+        if until <= compute_t:
+            return compute_t
+        self.timeline.events.append(
+            Event(f"wait {name}", "compute", compute_t, until, bucket, "exposed"))
+        self.timeline.exposed_copy += until - compute_t
+        return until
+
+    def run(self, node: fx.Node, lane: str, compute_t: float) -> float:
+        """Run copy ``node``; return when compute may go on."""
+        dur = self.profile.host_copy_time(tensor_bytes(node.meta.get("val")))
+        bucket = (node.meta.get("graphshard_copy") or {}).get("bucket")
+        self.timeline.copy_time += dur
+        if not _on_copy_stream(node):  # it holds the compute stream
+            self.timeline.events.append(
+                Event(node.name, "compute", compute_t, compute_t + dur, bucket, lane))
+            return compute_t + dur
+        for retired in node.kwargs.get("retire") or ():
+            if retired in self.ends:
+                compute_t = self.stall(compute_t, self.ends[retired], retired.name, bucket)
+        start = max(compute_t, self.free[lane])
+        self.free[lane] = self.ends[node] = start + dur
+        self.timeline.events.append(Event(node.name, lane, start, start + dur, bucket, lane))
+        if node.target is TO_HOST and node.kwargs.get("wait", True):  # the host waits
+            compute_t = self.stall(compute_t, start + dur, node.name, bucket)
+        return compute_t
+
+
 def simulate(
     gm_or_graph: fx.GraphModule | fx.Graph,
     profile: HardwareProfile,
@@ -131,8 +194,19 @@ def simulate(
     compute_t = comm_free = 0.0
     ends: dict[fx.Node, float] = {}
     run = _ComputeRun()
+    copies = _Copies(tl, profile)
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        lane = _copy_direction(node)
+        if lane is not None or node.target is WAIT_COPY:
+            run.flush(tl.events)
+            if lane is not None:
+                compute_t = copies.run(node, lane, compute_t)
+            elif node.args[0] in copies.ends:
+                source = node.args[0]
+                bucket = (source.meta.get("graphshard_copy") or {}).get("bucket")
+                compute_t = copies.stall(compute_t, copies.ends[source], source.name, bucket)
             continue
         if collective_kind(node) is not None:
             run.flush(tl.events)
@@ -160,7 +234,7 @@ def simulate(
             compute_t += dur
             tl.compute_time += dur
     run.flush(tl.events)
-    tl.total_time = max(compute_t, comm_free)
+    tl.total_time = max(compute_t, comm_free, *copies.free.values())
     tl.peak_unsharded_bytes = peak_unsharded_bytes(graph)
     return tl
 

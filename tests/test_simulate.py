@@ -171,3 +171,74 @@ def test_peak_unsharded_frees_each_output_of_a_coalesced_gather_at_its_own_last_
     # the second output and the third gather; counting the coalesced gather whole until its
     # last output's last use would add the first output's 2 * 128 * 4 bytes
     assert simulate(gm, PROF).peak_unsharded_bytes == 2 * 256 * 4 + 2 * 512 * 4
+
+
+def _offload_graph() -> torch.fx.GraphModule:
+    """Two buckets of one 4 MiB host shard each, copied to the device (the default: on the
+    compute stream) and multiplied in, one after the other."""
+    from torch import fx
+
+    from graphshard.passes.fx_util import DEVICE_COPY
+
+    graph = fx.Graph()
+    meta = torch.empty(1024, 1024, device="meta")
+    x = graph.placeholder("x")
+    x.meta["val"] = meta
+    shards = []
+    for k in range(2):
+        shard = graph.placeholder(f"shard{k}")
+        shard.meta["val"] = meta
+        shards.append(shard)
+    y = x
+    for k, shard in enumerate(shards):
+        copy = graph.call_function(DEVICE_COPY, (shard, torch.device("cpu"), True))
+        copy.meta.update(val=meta, graphshard_copy={"direction": "h2d", "bucket": k})
+        y = graph.call_function(torch.ops.aten.mm.default, (y, copy))
+        y.meta["val"] = meta
+    graph.output(y)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_offload_copies_hold_the_compute_stream_unless_on_a_copy_stream():
+    """A 4 MiB copy takes 1 ms over the host link and a matmul 1 ms: on the compute stream
+    (the default) the two copies and two matmuls run in series (4 ms); with
+    ``shard_copy_stream`` the second copy crosses the bus under the first matmul, and only
+    the first is waited for (3 ms, 1 ms of it stalled on the copy)."""
+    from graphshard.passes import Plan, shard_copy_stream
+
+    mib = 2**20
+    profile = HardwareProfile("offload-test", alpha_s=1e-6, bandwidth_Bps=1e9,
+                              peak_flops=2 * 1024**3 / 1e-3, mem_bandwidth_Bps=1e15,
+                              host_link_Bps=4 * mib / 1e-3)
+    default = simulate(_offload_graph(), profile)
+    assert default.total_time == pytest.approx(4e-3)
+    assert default.copy_time == pytest.approx(2e-3) and default.exposed_copy == 0
+    assert [e.lane for e in default.events if e.kind == "h2d"] == ["compute", "compute"]
+    streams = simulate(shard_copy_stream(_offload_graph(), Plan(shard_copy_stream=True)),
+                       profile)
+    assert streams.total_time == pytest.approx(3e-3)
+    assert streams.exposed_copy == pytest.approx(1e-3)
+    copies = [e for e in streams.events if e.kind == "h2d"]
+    assert [(e.lane, e.start, e.end) for e in copies] == [
+        ("h2d", 0.0, pytest.approx(1e-3)), ("h2d", pytest.approx(1e-3), pytest.approx(2e-3))]
+
+
+def test_the_copy_streams_get_lanes_of_their_own_in_the_trace_and_picture(tmp_path):
+    from graphshard.analysis.timeline import render_png, to_chrome_trace
+    from graphshard.passes import Plan, shard_copy_stream
+
+    profile = HardwareProfile("offload-test", alpha_s=1e-6, bandwidth_Bps=1e9,
+                              peak_flops=1e12, mem_bandwidth_Bps=1e12, host_link_Bps=1e9)
+    gm = shard_copy_stream(_offload_graph(), Plan(shard_copy_stream=True))
+    timeline = simulate(gm, profile)
+    trace = to_chrome_trace(timeline)
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "thread_name"}
+    assert set(lanes.values()) == {"compute", "comm", "exposed", "h2d"}
+    copies = [e for e in trace["traceEvents"] if e.get("cat") == "h2d"]
+    assert len(copies) == 2 and all(lanes[e["tid"]] == "h2d" for e in copies)
+    assert trace["otherData"]["copy_time_s"] == pytest.approx(timeline.copy_time)
+    assert render_png(timeline, tmp_path / "offload.png").stat().st_size > 0
+    default = to_chrome_trace(simulate(_offload_graph(), profile))
+    assert "h2d" not in {e["args"]["name"] for e in default["traceEvents"]
+                         if e["name"] == "thread_name"}

@@ -16,7 +16,7 @@ from graphshard.passes.simulate import Event, Timeline
 
 __all__ = ["event_label", "render_png", "to_chrome_trace", "write_trace"]
 
-_LANES = {"compute": 0, "comm": 1, "exposed": 2}
+_LANES = {"compute": 0, "comm": 1, "exposed": 2, "h2d": 3, "d2h": 4}
 _SHORT = {
     "unshard": "AG",
     "all_gather": "AG",
@@ -24,7 +24,8 @@ _SHORT = {
     "reduce_scatter": "RS",
     "all_reduce": "AR",
 }
-_COLORS = {"compute": "#4c9a5f", "AG": "#3b6fb6", "RS": "#e08a2c", "comm": "#8c8c8c"}
+_COLORS = {"compute": "#4c9a5f", "AG": "#3b6fb6", "RS": "#e08a2c", "comm": "#8c8c8c",
+           "h2d": "#7b5ea7", "d2h": "#b5799e"}
 _EXPOSED = "#d62728"
 
 
@@ -44,7 +45,10 @@ def to_chrome_trace(timeline: Timeline, *, name: str = "graph") -> dict[str, Any
     trace: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}}
     ]
+    present = {ev.lane for ev in timeline.events}
     for lane, tid in _LANES.items():
+        if lane in ("h2d", "d2h") and lane not in present:
+            continue  # CPU offload's copy streams, named only where the graph has them
         trace.append(
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
         )
@@ -83,6 +87,8 @@ def to_chrome_trace(timeline: Timeline, *, name: str = "graph") -> dict[str, Any
             "compute_time_s": timeline.compute_time,
             "comm_time_s": timeline.comm_time,
             "exposed_comm_s": timeline.exposed_comm,
+            "copy_time_s": timeline.copy_time,
+            "exposed_copy_s": timeline.exposed_copy,
             "peak_unsharded_bytes": timeline.peak_unsharded_bytes,
         },
     }
@@ -96,7 +102,8 @@ def write_trace(timeline: Timeline, path: str | os.PathLike, *, name: str = "gra
 
 
 def render_png(timeline: Timeline, path: str | os.PathLike, *, title: str | None = None) -> Path:
-    """Draw the compute and comm lanes as broken bars (ms), exposed waits in red."""
+    """Draw the compute and comm lanes (and CPU offload's copy streams, where the graph has
+    them) as broken bars (ms), exposed waits in red."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -106,14 +113,17 @@ def render_png(timeline: Timeline, path: str | os.PathLike, *, title: str | None
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     rows = {"comm": 1, "compute": 0}
+    for lane in ("h2d", "d2h"):  # CPU offload's copy streams, where the graph has them
+        if any(ev.lane == lane for ev in timeline.events):
+            rows[lane] = len(rows)
     comm = [ev for ev in timeline.events if ev.lane == "comm"]
     for ev in timeline.events:
         if ev.kind == "exposed":
             color, hatch = _EXPOSED, "//"
         elif ev.lane == "comm":
             color, hatch = _COLORS.get(_SHORT.get(ev.kind, ""), _COLORS["comm"]), None
-        else:
-            color, hatch = _COLORS["compute"], None
+        else:  # compute, or a copy (on the compute stream or its own)
+            color, hatch = _COLORS.get(ev.kind, _COLORS["compute"]), None
         y = rows[ev.lane]
         ax.broken_barh(
             [(ev.start * ms, ev.duration * ms)],
@@ -136,7 +146,7 @@ def render_png(timeline: Timeline, path: str | os.PathLike, *, title: str | None
                 clip_on=True,
             )
     ax.set_yticks(list(rows.values()), list(rows))
-    ax.set_ylim(-0.6, 1.6)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlim(0, max(timeline.total_time, 1e-12) * ms)
     ax.set_xlabel("time (ms)")
     if title is None:
@@ -144,6 +154,8 @@ def render_png(timeline: Timeline, path: str | os.PathLike, *, title: str | None
             f"{timeline.profile or 'simulated'}: step {timeline.total_time * ms:.3f} ms, "
             f"exposed comm {timeline.exposed_comm * ms:.3f} ms"
         )
+        if timeline.copy_time:
+            title += f", waiting on host-device copies {timeline.exposed_copy * ms:.3f} ms"
     ax.set_title(title, fontsize=10)
     legend = [
         Patch(color=_COLORS["compute"], label="compute"),
@@ -153,6 +165,9 @@ def render_png(timeline: Timeline, path: str | os.PathLike, *, title: str | None
     ]
     if any(_SHORT.get(ev.kind) not in ("AG", "RS") for ev in comm):
         legend.insert(3, Patch(color=_COLORS["comm"], label="other comm"))
+    for kind, label in (("h2d", "copy to device"), ("d2h", "copy to host")):
+        if any(ev.kind == kind for ev in timeline.events):
+            legend.insert(-1, Patch(color=_COLORS[kind], label=label))
     ax.legend(
         handles=legend,
         loc="upper center",
