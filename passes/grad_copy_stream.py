@@ -12,11 +12,12 @@ With ``Plan.grad_copy_stream`` the copies of the backward run on a copy stream
 (:mod:`graphshard.passes.host_copy`):
 
 - a copy whose result the graph only views (slices, reshapes) on its way to the output is
-  issued and not waited for on the host (``wait=False``). At most two such copies run at
-  once: each lists the copy two before it, and that copy's device source, as ``retire``, so
-  the compute stream waits there for that copy (an event, no host stop) and the source's
-  memory may be reused after that point. The operand keeps the source alive until then:
-  Inductor's buffer reuse knows one stream only;
+  issued and not waited for on the host (``wait=False``). At most two buckets' such copies
+  run at once (a bucket is one copy at world > 1, one per parameter at world 1): a
+  bucket's first copy lists the copies of the bucket two before it, and their device
+  sources, as ``retire``, so the compute stream waits there for those copies (events, no
+  host stop) and the sources' memory may be reused after that point. The operands keep
+  the sources alive until then: Inductor's buffer reuse knows one stream only;
 - every other copy waits on the host, for itself and for the copies issued before it on that
   stream, and takes as ``issued`` operands, which it does not read, the copies still running
   (so that no scheduler moves it before them) and their device sources (alive until then).
@@ -63,32 +64,37 @@ def _only_viewed_to_the_output(node: fx.Node) -> bool:
     return True
 
 
-# Copies left running at once: each retires the one this many copies before it.
+# Buckets whose copies are left running at once: a bucket's first copy retires the copies of
+# the bucket this many buckets before it.
 IN_FLIGHT = 2
 
 
 def grad_copy_stream(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Put the backward's device-to-host gradient copies on the copy stream, at most
-    ``IN_FLIGHT`` running at once, waiting on the host only where the graph reads a copy and
-    at the last one (module docstring)."""
+    ``IN_FLIGHT`` buckets' running at once, waiting on the host only where the graph reads a
+    copy and at the last one (module docstring)."""
     if not plan.grad_copy_stream:
         return gm
     copies = [node for node in gm.graph.find_nodes(op="call_function", target=TO_HOST)
               if node.meta.get("graphshard_copy", {}).get("direction") == "d2h"]
-    running: list[fx.Node] = []  # copies left running and not yet retired, oldest first
+    running: list[list[fx.Node]] = []  # per bucket, oldest first: copies not yet retired
     for k, copy in enumerate(copies):
         last = k == len(copies) - 1
+        bucket = copy.meta["graphshard_copy"]["bucket"]
         if not last and _only_viewed_to_the_output(copy):
             retire: list[fx.Node] = []
-            while len(running) >= IN_FLIGHT:
-                oldest = running.pop(0)
-                retire += [oldest, oldest.args[0]]  # its result (event), its source (life)
+            if not running or running[-1][0].meta["graphshard_copy"]["bucket"] != bucket:
+                while len(running) >= IN_FLIGHT:  # a new bucket: retire the oldest's copies
+                    for oldest in running.pop(0):
+                        retire += [oldest, oldest.args[0]]  # result (event), source (life)
+                running.append([])
             copy.kwargs = {**copy.kwargs, "wait": False,
                            **({"retire": retire} if retire else {})}
-            running.append(copy)
+            running[-1].append(copy)
         else:  # the copies (its order) and their device sources (their lifetime)
-            issued = running + [c.args[0] for c in running]
-            copy.kwargs = {**copy.kwargs, "wait": True, "issued": issued}
+            flat = [c for group in running for c in group]
+            copy.kwargs = {**copy.kwargs, "wait": True,
+                           "issued": flat + [c.args[0] for c in flat]}
             running = []
     gm.graph.lint()
     gm.recompile()

@@ -17,11 +17,12 @@ With ``graphshard.backend(grad_copy_stream=True)`` (:mod:`graphshard.passes.grad
 the copies of a CUDA graph run on a copy stream of their own, after the work issued so far
 on the current stream: there they overlap compute and, the bus being full duplex, the
 host-to-device copies. A copy that nothing reads before the graph returns is not waited for
-(``wait=False``); it records an event. At most two run at once: a copy lists as ``retire``
-the result and the device source of the copy two before it, and the current stream waits
-for that copy's event before going on, so the source's memory is free for reuse after that
-point of the compute stream (Inductor's in-graph buffer reuse knows one stream only; the
-operand keeps the source alive until there). A copy that the graph reads, and the graph's
+(``wait=False``); it records an event. At most two buckets' copies run at once: a
+bucket's first copy lists as ``retire`` the results and device sources of the copies of the
+bucket two before it, and the current stream waits for their events before going on, so
+the sources' memory is free for reuse after that point of the compute stream (Inductor's
+in-graph buffer reuse knows one stream only; the operands keep the sources alive until
+there). A copy that the graph reads, and the graph's
 last, waits on the host for itself and so for every copy issued before it on that stream,
 and takes the copies still running and their sources as ``issued``, which it does not read:
 they order it after those copies and keep the sources alive until then.

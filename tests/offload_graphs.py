@@ -17,7 +17,8 @@ import torch
 from graph_utils import Block
 from torch import fx, nn
 
-ACCEL = "fakeaccel"
+from graphshard.tools.offline import FAKE_ACCELERATOR as ACCEL
+from graphshard.tools.offline import register_fake_accelerator
 
 
 class ThreeBlock(nn.Module):
@@ -32,18 +33,6 @@ class ThreeBlock(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def register_fake_accelerator() -> None:
-    """Make ``fakeaccel`` a device (once per process). Autograd runs every node on the
-    calling thread: the engine would run the accelerator's nodes on a device thread of its
-    own, and two threads in one FakeTensorMode at once trip its re-entrancy check."""
-    torch.autograd.set_multithreading_enabled(False)
-    if torch._C._get_privateuse1_backend_name() == ACCEL:
-        return
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    _setup_privateuseone_for_python_backend(ACCEL)
 
 
 def _target(node: fx.Node) -> str:

@@ -670,3 +670,27 @@ def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
     plain = Llama(cfg)
     expected = plain(tokens).loss
     assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_offload_prediction_prices_the_copies_and_their_streams():
+    """``python -m bench.offload_predict`` (its own process: it registers a stand-in
+    accelerator) prints one row per setting. On a model whose copies outweigh its compute,
+    the copy streams hide part of them, and keeping the gathered parameters sends fewer
+    bytes over the host link."""
+    import subprocess
+    from pathlib import Path
+
+    code = ("import json, bench.offload_predict as p; "
+            "print('ROWS', json.dumps(p.main(['--model', 'tiny', '--batch-size', '2', "
+            "'--seq-len', '16'])))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| copy streams |" in done.stdout
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ROWS "))
+    rows = {r["setting"]: r for r in json.loads(line.removeprefix("ROWS "))}
+    total = {name: r["fw"] + r["bw"] for name, r in rows.items()}
+    assert total["copy streams"] < total["default"]
+    assert rows["copy streams"]["exposed_copy"] > 0 == rows["default"]["exposed_copy"]
+    assert rows['"auto"']["copy_time"] < rows["default"]["copy_time"]
+    assert rows["default"]["compute_time"] < rows["default"]["copy_time"]

@@ -164,6 +164,33 @@ def test_fsdp2_offload_recipes_put_buffers_on_the_device_with_no_manual_moves(tr
 # --------------------------------------------------------------------------- host to device
 
 
+def test_gradient_copies_run_two_buckets_at_once_however_many_copies_a_bucket_has():
+    """At world 1 each parameter's gradient is a copy of its own: the bound is two buckets,
+    not two copies. A bucket's first copy retires every copy of the bucket two before it
+    (the others retire nothing), and the last copy waits with the copies still running."""
+    from graphshard.passes import grad_copy_stream
+    from graphshard.passes.host_copy import TO_HOST as to_host
+
+    graph_ = fx.Graph()
+    sources, copies_ = [], []
+    for k, bucket in enumerate((0, 0, 1, 1, 2, 2, 3)):
+        source = graph_.placeholder(f"g{k}")
+        copy = graph_.call_function(to_host, (source,))
+        copy.meta["graphshard_copy"] = {"direction": "d2h", "bucket": bucket}
+        sources.append(source)
+        copies_.append(copy)
+    graph_.output(tuple(copies_))
+    gm = grad_copy_stream(fx.GraphModule(nn.Module(), graph_), Plan(grad_copy_stream=True))
+    c, g = copies_, sources
+    assert [x.kwargs.get("retire") for x in c[:-1]] == [
+        None, None, None, None, [c[0], g[0], c[1], g[1]], None]
+    assert all(x.kwargs["wait"] is False for x in c[:-1])
+    assert c[-1].kwargs == {"wait": True, "issued": [c[2], c[3], c[4], c[5], g[2], g[3], g[4],
+                                                     g[5]]}
+    inputs = [torch.full((2,), float(k)) for k in range(7)]
+    assert all(torch.equal(o, i) for o, i in zip(gm(*inputs), inputs, strict=True))
+
+
 @pytest.mark.parametrize("stage", ["fw", "bw", "inference"])
 def test_each_gather_sends_its_own_shards_copied_to_the_device_before_it(traced, stage):
     records = graph(traced["offload"], stage)

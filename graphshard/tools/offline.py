@@ -31,7 +31,9 @@ from graphshard.compiler.backend import GraphshardBackend
 from graphshard.errors import GraphshardRuntimeError, GraphshardTypeError, GraphshardValueError
 
 __all__ = [
+    "FAKE_ACCELERATOR",
     "fake_process_group",
+    "register_fake_accelerator",
     "load_factory",
     "trace_offline",
     "trace_step_offline",
@@ -44,6 +46,31 @@ __all__ = [
 # where ``tp_plan`` is a ``parallelize_module`` plan (a ParallelStyle, or a dict of module
 # name -> ParallelStyle) used when tracing with ``tp > 1``.
 Factory = Callable[[], tuple]
+
+
+# The device name :func:`register_fake_accelerator` gives a stand-in accelerator.
+FAKE_ACCELERATOR = "fakeaccel"
+
+
+def register_fake_accelerator() -> str:
+    """Make ``fakeaccel`` a device of this process and return its name: a stand-in
+    accelerator for tracing on fake tensors where a CPU-only torch has none (CPU offload
+    needs a device other than the host).
+
+    A CPU-only torch cannot differentiate through fake ``cuda`` tensors (autograd asks
+    CUDA's device guard, which is not built in). A PrivateUse1 device registered from Python
+    has a device guard, so Dynamo, AOTAutograd, the partitioner and the passes run as for
+    ``cuda``. The registration is process-wide and cannot be undone (the device becomes
+    torch's accelerator, which breaks CUDA autograd on a GPU machine): call it only in a
+    process of its own. Autograd then runs every node on the calling thread: the engine
+    would run the device's nodes on a thread of their own, and two threads in one
+    ``FakeTensorMode`` at once trip its re-entrancy check."""
+    torch.autograd.set_multithreading_enabled(False)
+    if torch._C._get_privateuse1_backend_name() != FAKE_ACCELERATOR:
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        _setup_privateuseone_for_python_backend(FAKE_ACCELERATOR)
+    return FAKE_ACCELERATOR
 
 
 @contextlib.contextmanager
