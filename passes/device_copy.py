@@ -21,69 +21,26 @@ memory that only the host writes, and the host's optimizer step runs after the b
 waited for its last gradient, which comes after every shard copy it read.
 
 Off CUDA (the host standing in for the device in the CPU tests) ``to_device`` is a
-synchronous copy and ``wait_copy`` does nothing.
+synchronous copy and ``wait_copy`` does nothing. Only the schemas and the fake (shape)
+implementations live here; the kernels are :mod:`graphshard.api.copy_streams`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TO_DEVICE", "WAIT_COPY", "to_device", "wait_copy"]
+__all__ = ["TO_DEVICE", "WAIT_COPY"]
 
-# One host-to-device copy stream per CUDA device, made at its first use.
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-# The event after each copy not yet waited for, by the result's address.
-_PENDING: dict[int, torch.cuda.Event] = {}
+torch.library.define("graphshard::to_device", "(Tensor x, Device device) -> Tensor")
+torch.library.define("graphshard::wait_copy", "(Tensor(a!) x) -> ()")
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
-
-
-@torch.library.custom_op("graphshard::to_device", mutates_args=(),
-                         schema="(Tensor x, Device device) -> Tensor")
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` copied to a new tensor on ``device`` (its layout kept). On CUDA the copy is
-    issued on the device's copy stream and left running: read the result only after
-    :func:`wait_copy` of it. Elsewhere the copy has finished when this returns."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.empty_like(x, device=device).copy_(x)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = _copy_stream(device)
-    with torch.cuda.stream(stream):
-        out = torch.empty_like(x, device=device)  # from the copy stream's blocks
-        out.copy_(x, non_blocking=True)
-    out.record_stream(torch.cuda.current_stream(device))  # freed after the compute's reads
-    if out.numel():
-        event = torch.cuda.Event()
-        event.record(stream)
-        _PENDING[out.data_ptr()] = event
-    return out
-
-
-@to_device.register_fake
+@torch.library.register_fake("graphshard::to_device")
 def _to_device_fake(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_like(x, device=device)
 
 
-@torch.library.custom_op("graphshard::wait_copy", mutates_args=("x",),
-                         schema="(Tensor(a!) x) -> ()")
-def wait_copy(x: torch.Tensor) -> None:
-    """The current stream waits for :func:`to_device`'s copy into ``x`` (nothing to wait
-    for off CUDA, or when it was waited for already)."""
-    if x.device.type != "cuda" or not x.numel():
-        return
-    event = _PENDING.pop(x.data_ptr(), None)
-    if event is not None:
-        torch.cuda.current_stream(x.device).wait_event(event)
-
-
-@wait_copy.register_fake
+@torch.library.register_fake("graphshard::wait_copy")
 def _wait_copy_fake(x: torch.Tensor) -> None:
     return None
 

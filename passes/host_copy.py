@@ -6,7 +6,8 @@ pageable memory, which the driver copies through a staging buffer at a fraction 
 bus's bandwidth. This op allocates the destination pinned (from torch's caching host
 allocator, so a step reuses the last step's blocks) and copies at full bandwidth. A tensor
 already on the CPU (the host standing in for the device in CPU tests) is copied into
-ordinary memory. Inductor calls it as an extern kernel.
+ordinary memory. Inductor calls it as an extern kernel. Only the schema and the fake (shape)
+implementation live here; the kernel is :mod:`graphshard.api.copy_streams`.
 
 By default (``wait=True``) the copy runs on the current stream and is waited for: ``.grad``
 is complete when it returns, so autograd may accumulate into it and the optimizer may read
@@ -32,65 +33,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TO_HOST", "to_host"]
+__all__ = ["TO_HOST"]
 
-# One copy stream per CUDA device, made at its first use.
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
-
-
-# The event after each running copy, by its result's address (retired or waited for later).
-_RUNNING: dict[int, torch.cuda.Event] = {}
-
-
-def _forget(tensors: list[torch.Tensor] | None) -> list[torch.cuda.Event]:
-    """The events of the running copies among ``tensors`` (host results), forgotten."""
-    events = (_RUNNING.pop(t.data_ptr(), None) for t in tensors or () if t.device.type == "cpu")
-    return [event for event in events if event is not None]
-
-
-@torch.library.custom_op(
-    "graphshard::to_host", mutates_args=(),
-    schema="(Tensor x, bool wait=True, Tensor[]? issued=None, Tensor[]? retire=None) -> Tensor",
+torch.library.define(
+    "graphshard::to_host",
+    "(Tensor x, bool wait=True, Tensor[]? issued=None, Tensor[]? retire=None) -> Tensor",
 )
-def to_host(x: torch.Tensor, wait: bool = True, issued: list[torch.Tensor] | None = None,
-            retire: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """``x`` copied to a new contiguous host tensor (pinned when ``x`` is on an
-    accelerator). ``wait``: the copy, and on CUDA with ``issued`` every copy issued before
-    it on the copy stream, has finished when this returns. ``wait=False`` (CUDA): the copy
-    is issued on the copy stream and left running; the result may be read only after a
-    later copy that waits. ``retire`` (CUDA): results of earlier running copies, and their
-    sources: the current stream waits for those copies first (module docstring). Elsewhere
-    every copy waits."""
-    out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.device.type != "cpu")
-    if x.device.type != "cuda" or (wait and issued is None):
-        out.copy_(x)
-        return out
-    current = torch.cuda.current_stream(x.device)
-    for event in _forget(retire):
-        current.wait_event(event)  # their sources may be reused after this point
-    stream = _copy_stream(x.device)
-    stream.wait_stream(current)  # x and all before it are ready
-    with torch.cuda.stream(stream):
-        out.copy_(x, non_blocking=True)  # the host allocator keeps ``out`` until it is done
-    x.record_stream(stream)  # the device allocator keeps ``x`` until the copy has read it
-    if wait:
-        stream.synchronize()
-        _forget(issued)
-    else:
-        event = torch.cuda.Event()
-        event.record(stream)
-        _RUNNING[out.data_ptr()] = event
-    return out
 
 
-@to_host.register_fake
+@torch.library.register_fake("graphshard::to_host")
 def _to_host_fake(x: torch.Tensor, wait: bool = True, issued: list[torch.Tensor] | None = None,
                   retire: list[torch.Tensor] | None = None) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from graphshard.api import copy_streams  # noqa: F401  (the copies' kernels)
 from graphshard.api.reduce_scatter import reduce_scatter
-from graphshard.passes.host_copy import to_host
+from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -85,7 +86,7 @@ def _reduce_grad_eager(grad, *args, **kwargs):
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
     if m.out_device:  # CPU offload: the reduced pieces go back to the host shard (pinned)
-        out = to_host(out)
+        out = TO_HOST(out)
     if not m.all_reduce:  # a partial accumulates as the padded piece
         return out.view(layout.piece_shape)
     return local_from_reduced(eager, out, layout, m.local_rows)
