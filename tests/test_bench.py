@@ -694,3 +694,24 @@ def test_offload_prediction_prices_the_copies_and_their_streams():
     assert rows["copy streams"]["exposed_copy"] > 0 == rows["default"]["exposed_copy"]
     assert rows['"auto"']["copy_time"] < rows["default"]["copy_time"]
     assert rows["default"]["compute_time"] < rows["default"]["copy_time"]
+
+
+def test_gather_floor_times_real_gathers_alone_and_beside_compute():
+    """``python -m bench.gather_floor`` gathers real shards on two gloo ranks (every rank's
+    values arrive in their place) and reports the three timings and what the overlap hid."""
+    import subprocess
+    from pathlib import Path
+
+    code = ("import json, bench.gather_floor as g; print('REPORT', json.dumps(g.main(["
+            "'--shard-mb', '0.01', '--count', '3', '--rounds', '2', '--warmup', '1', "
+            "'--matmuls', '1'])))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 gathers of 0.01 MB shards at world 2:" in done.stdout
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    assert report["exact"] is True
+    assert all(report[key] > 0 for key in ("gathers_ms", "compute_ms", "overlapped_ms"))
+    assert report["hidden_ms"] == pytest.approx(
+        report["gathers_ms"] + report["compute_ms"] - report["overlapped_ms"])
