@@ -101,7 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="(256x256)@(256x1024) products beside each gather")
     parser.add_argument("--rounds", type=int, default=50, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("world_size", "count", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.shard_mb <= 0 or args.matmuls < 0 or args.warmup < 0:
+        parser.error("--shard-mb must be positive, --matmuls and --warmup at least 0")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
