@@ -672,23 +672,30 @@ def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
     assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
 
 
+def _main_in_its_own_process(module: str, argv: list[str]) -> tuple[str, object]:
+    """``bench.<module>.main(argv)`` run by a fresh Python: its printed output, and what it
+    returned (through JSON)."""
+    import subprocess
+    from pathlib import Path
+
+    code = (f"import json, bench.{module} as m; "
+            f"print('RESULT', json.dumps(m.main({argv!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return done.stdout, json.loads(line.removeprefix("RESULT "))
+
+
 def test_offload_prediction_prices_the_copies_and_their_streams():
     """``python -m bench.offload_predict`` (its own process: it registers a stand-in
     accelerator) prints one row per setting. On a model whose copies outweigh its compute,
     the copy streams hide part of them, and keeping the gathered parameters sends fewer
     bytes over the host link."""
-    import subprocess
-    from pathlib import Path
-
-    code = ("import json, bench.offload_predict as p; "
-            "print('ROWS', json.dumps(p.main(['--model', 'tiny', '--batch-size', '2', "
-            "'--seq-len', '16'])))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "| copy streams |" in done.stdout
-    line = next(x for x in done.stdout.splitlines() if x.startswith("ROWS "))
-    rows = {r["setting"]: r for r in json.loads(line.removeprefix("ROWS "))}
+    out, result = _main_in_its_own_process(
+        "offload_predict", ["--model", "tiny", "--batch-size", "2", "--seq-len", "16"])
+    assert "| copy streams |" in out
+    rows = {r["setting"]: r for r in result}
     total = {name: r["fw"] + r["bw"] for name, r in rows.items()}
     assert total["copy streams"] < total["default"]
     assert rows["copy streams"]["exposed_copy"] > 0 == rows["default"]["exposed_copy"]
@@ -699,18 +706,10 @@ def test_offload_prediction_prices_the_copies_and_their_streams():
 def test_gather_floor_times_real_gathers_alone_and_beside_compute():
     """``python -m bench.gather_floor`` gathers real shards on two gloo ranks (every rank's
     values arrive in their place) and reports the three timings and what the overlap hid."""
-    import subprocess
-    from pathlib import Path
-
-    code = ("import json, bench.gather_floor as g; print('REPORT', json.dumps(g.main(["
-            "'--shard-mb', '0.01', '--count', '3', '--rounds', '2', '--warmup', '1', "
-            "'--matmuls', '1'])))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "3 gathers of 0.01 MB shards at world 2:" in done.stdout
-    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line.removeprefix("REPORT "))
+    out, report = _main_in_its_own_process(
+        "gather_floor", ["--shard-mb", "0.01", "--count", "3", "--rounds", "2", "--warmup", "1",
+                         "--matmuls", "1"])
+    assert "3 gathers of 0.01 MB shards at world 2:" in out
     assert report["exact"] is True
     assert all(report[key] > 0 for key in ("gathers_ms", "compute_ms", "overlapped_ms"))
     assert report["hidden_ms"] == pytest.approx(
