@@ -18,7 +18,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # worker processes: each pool worker imports torch anew, in every rank of every launch, and
 # where the test workers and ranks already fill the cores that costs more than the pool saves
 # (2 cores, a clean-clone suite: 15:45 against 21:24). A GPU machine keeps its pool for Triton.
-if len(os.sched_getaffinity(0)) <= 4:
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+if (_CORES or 1) <= 4:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Records this environment as the one the ranks' fork server starts in (before any test runs).
 import dist_utils  # noqa: E402,F401

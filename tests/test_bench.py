@@ -12,6 +12,7 @@ import json
 import math
 import re
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -672,7 +673,7 @@ def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
     assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
 
 
-def _main_in_its_own_process(module: str, argv: list[str]) -> tuple[str, object]:
+def _main_in_its_own_process(module: str, argv: list[str]) -> tuple[str, Any]:
     """``bench.<module>.main(argv)`` run by a fresh Python: its printed output, and what it
     returned (through JSON)."""
     import subprocess
