@@ -8,7 +8,7 @@ read a sharded model's record without importing the code that built it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,12 @@ class ShardedParam:
     # tensors, the parameter's name there). Kept equal to ``local`` by
     # ``graphshard.api.local_inputs``, the one place that sets it.
     local_slots: list[tuple[dict, str]] = field(default_factory=list, repr=False, compare=False)
+    # Its bucket's flat, padded buffer and the records laid out in it
+    # (graphshard.api.bucket_storage.BucketStorage), or None; and where the owning modules
+    # hold (buffer, place) for traced reads, kept equal by that module.
+    storage_group: Any = field(default=None, repr=False, compare=False)
+    storage_slots: list[tuple[dict, str]] = field(default_factory=list, repr=False,
+                                                  compare=False)
 
 
 @dataclass

@@ -11,6 +11,11 @@ With CPU offload the markers carry a ``compute_device``: each host shard is firs
 there (``prims.device_put``, non-blocking, tagged ``meta["graphshard_copy"]``), then cast and
 gathered. The copies are inputs of the gather, so ``prefetch`` moves them with it.
 
+Where ``shard()`` laid a bucket's shards out in one flat, padded buffer and the markers hand
+it over, the gather reads that buffer and nothing is copied in
+(:mod:`graphshard.passes.bucket_storage`; not with ``step_prefetch``, whose optimizer step
+builds the buffers it gathers, nor with ``plan.gather_from_storage`` off).
+
 With ``plan.all_gather_via == "coalesced"`` a bucket of several parameters is gathered by one
 coalesced all-gather instead: each shard (padded or cast only where it must be) goes in as
 it is, each parameter comes out whole, and neither the copy into a flat buffer nor the copy
@@ -27,6 +32,7 @@ import operator
 import torch
 from torch import fx
 
+from graphshard.passes.bucket_storage import bucket_storage
 from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.fx_util import (
     NodeMaker,
@@ -49,7 +55,8 @@ def lower_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     make = NodeMaker(gm.graph)
     coalesced = plan.all_gather_via == "coalesced" and not plan.step_prefetch
     for bucket in collect_buckets(gm.graph, is_unshard):
-        _lower_bucket(gm.graph, make, bucket, coalesced)
+        _lower_bucket(gm.graph, make, bucket, coalesced,
+                      plan.gather_from_storage and not plan.step_prefetch)
     return gm
 
 
@@ -64,7 +71,8 @@ def _insert_point(graph: fx.Graph, bucket: Bucket) -> fx.Node:
     return anchor
 
 
-def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: bool) -> None:
+def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: bool,
+                  from_storage: bool) -> None:
     # Tied parameters appear once per shard input: one slot in the flat buffer each.
     slots: dict[fx.Node, list[fx.Node]] = {}
     for node in bucket.nodes:
@@ -74,19 +82,27 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
         _lower_local(graph, make, bucket, slots)
         return
 
-    layouts = [Dim0Layout(marker_args(nodes[0]).full_shape, first.world_size)
-               for nodes in slots.values()]
+    layouts = {shard: Dim0Layout(marker_args(nodes[0]).full_shape, first.world_size)
+               for shard, nodes in slots.items()}
+    stored = bucket_storage(slots, layouts, first) if from_storage and not coalesced else None
+    if stored is not None:  # the gather reads the bucket's storage: order the slots as it
+        slots = {shard: slots[shard] for shard in stored[1]}
     tag = {"kind": "unshard", "bucket": bucket.index,
            "params": [marker_args(nodes[0]).name for nodes in slots.values()]}
     with (graph.inserting_before(_insert_point(graph, bucket)),
           make.provenance(bucket.nodes[0]), make.lowering("unshard", bucket.index)):
-        pieces = [
-            gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index), first),
-                         layout, rows_held(shard.meta["val"].shape))
-            for shard, layout in zip(slots, layouts, strict=True)
-        ]
+        if stored is not None:
+            pieces = [stored[0]]
+        else:
+            pieces = [
+                gather_piece(make, _cast(make, _to_compute(make, shard, first, bucket.index),
+                                         first),
+                             layouts[shard], rows_held(shard.meta["val"].shape))
+                for shard in slots
+            ]
         gather = _gather_coalesced if coalesced and len(pieces) > 1 else _gather_flat
-        fulls = gather(make, pieces, layouts, first.world_size, first.group_name, tag)
+        fulls = gather(make, pieces, [layouts[shard] for shard in slots], first.world_size,
+                       first.group_name, tag)
     for nodes, full in zip(slots.values(), fulls, strict=True):
         for node in nodes:
             replace_and_erase(node, full)
@@ -94,14 +110,15 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
 
 def _gather_flat(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],
                  world: int, group: str, tag: dict) -> list[fx.Node]:
-    """One all-gather of the pieces concatenated; each parameter rebuilt from its column of
-    the rank-major ``[world, bucket_numel]`` result."""
+    """One all-gather of the pieces concatenated (or of the bucket's storage, one piece that
+    holds them all); each parameter rebuilt from its column of the rank-major
+    ``[world, bucket_numel]`` result."""
     flat = pieces[0] if len(pieces) == 1 else make(aten.cat.default, pieces)
     gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
     gathered.meta["graphshard"] = tag
     waited = make(c10d.wait_tensor.default, gathered)
     total = sum(layout.piece_numel for layout in layouts)
-    matrix = waited if len(pieces) == 1 else make(aten.view.default, waited, [world, total])
+    matrix = waited if len(layouts) == 1 else make(aten.view.default, waited, [world, total])
     fulls, offset = [], 0
     for layout in layouts:
         column, ranks = _column(make, matrix, offset, layout, total)

@@ -47,13 +47,15 @@ _lib = torch.library.Library("graphshard", "DEF")
 # ``reshard`` pass chooses per bucket against the plan's memory budget); a bool reads as 0/1.
 # ``compute_device`` (CPU offload): the device type the shard is copied to before the gather
 # ('' = gathered where it lives); the last of the per-parameter fields ``shard()`` fixes, so
-# the per-read ones (``sync`` ...) follow it.
+# the per-read ones (``sync`` ...) follow it. ``storage`` / ``storage_index``: the flat,
+# padded buffer the bucket's shards live in and this shard's place there, where
+# ``graphshard.api.bucket_storage`` laid the bucket out (the gather may read it as it is).
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, int reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, "
     "str compute_device='', int sync=0, Tensor? accum=None, Tensor? pending_full=None, "
-    "Tensor? pending_partial=None) -> Tensor"
+    "Tensor? pending_partial=None, Tensor? storage=None, int storage_index=-1) -> Tensor"
 )
 _lib.define(
     "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name, "
@@ -211,6 +213,8 @@ class UnshardArgs(NamedTuple):
     accum: fx.Node | None = None
     pending_full: fx.Node | None = None
     pending_partial: fx.Node | None = None
+    storage: fx.Node | None = None  # the bucket's flat buffer, where it is laid out in one
+    storage_index: int = -1  # this shard's place among the pieces in ``storage``
 
 
 class ReduceGradArgs(NamedTuple):

@@ -123,14 +123,20 @@ class Plan:
             partials, all-reduces across replicas (HSDP), casts back or offloads its
             gradients keeps the flat collective.
         all_gather_via: how a bucket of several parameters is gathered. ``"flat"``
-            (default): its shards are copied into one buffer, gathered in one all-gather,
-            and each parameter is copied out of the rank-major result. ``"coalesced"``: one
+            (default): its shards, in one buffer (the bucket's storage, or a copy where
+            ``gather_from_storage`` cannot read it), are gathered in one all-gather, and each
+            parameter is copied out of the rank-major result. ``"coalesced"``: one
             coalesced all-gather (``all_gather_into_tensor_coalesced``, still one collective
             call) takes every shard where it lives and writes every parameter whole, so
             neither copy is made (a shard that needs padding or a cast still gets its own
             copy); the backend runs the pieces as one group (NCCL) or packs them itself
             (gloo). With ``step_prefetch`` every bucket stays flat (the optimizer step
             gathers flat buffers).
+        gather_from_storage: a flat gather reads its bucket's shards where ``shard()`` laid
+            them out, in one flat padded buffer per bucket, instead of copying them into one
+            (:mod:`graphshard.passes.bucket_storage`). On by default; False copies every
+            bucket's shards into its gather buffer at every gather, as before this storage
+            existed (for comparison).
         grad_copy_stream: under CPU offload, copy the backward's gradients to the host on a
             copy stream of their own, waiting once per graph, where the default copies each
             bucket's on the compute stream and waits for it
@@ -158,6 +164,7 @@ class Plan:
     reduce_scatter_via: str = "auto"
     memory_budget: int | str | None = None
     all_gather_via: str = "flat"
+    gather_from_storage: bool = True
     grad_copy_stream: bool = False
     shard_copy_stream: bool = False
 
@@ -170,7 +177,7 @@ class Plan:
         _check_choice("bucketing", self.bucketing, BUCKETING)
         _check_int("bucket_bytes", self.bucket_bytes, 1, self, "a byte count such as 25 * 2**20")
         for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce",
-                     "grad_copy_stream", "shard_copy_stream"):
+                     "gather_from_storage", "grad_copy_stream", "shard_copy_stream"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)
         _check_choice("all_gather_via", self.all_gather_via, ALL_GATHER_VIA)

@@ -34,8 +34,9 @@ as the graph runs with ``inductor=False``):
 
 The minimum, per bucket: the copy-in reads every shard (gradient) once and writes the buffer
 once, nothing at all when the buffer can be the one shard itself (same dtype, contiguous,
-nothing to pad); every cast is fused into the copy-in; padding writes its zeros once; each
-parameter of a multi-parameter bucket gathered over several ranks is materialised once (its
+nothing to pad) or the bucket's storage (``graphshard.passes.bucket_storage``); every cast
+is fused into the copy-in; padding writes its zeros once; each parameter of a
+multi-parameter bucket gathered over several ranks is materialised once (its
 real rows read and written by one interleave), any other parameter is a view of the
 gathered buffer. A coalesced collective (``all_gather_via`` / ``reduce_scatter_via=
 "coalesced"``) takes one buffer per parameter, each its own minimum: nothing for a shard or
@@ -358,8 +359,10 @@ class _Account:
             world = len(world)
         copied = 0
         leaves_of = [self.leaves(buffer, members) for buffer in buffers]
+        # gathered from the bucket's storage as it lies (graphshard.passes.bucket_storage)
+        stored = side == "unshard" and not coalesced and buffers[0] not in members
         for buffer, leaves in zip(buffers, leaves_of, strict=True):
-            whole = world == 1 or (
+            whole = world == 1 or stored or (
                 len(leaves) == 1 and _val(leaves[0]).dtype == _val(buffer).dtype
                 and _val(leaves[0]).numel() == _val(buffer).numel()
                 and _val(leaves[0]).is_contiguous())
@@ -372,7 +375,9 @@ class _Account:
                     if _val(leaf).dtype != _val(buffer).dtype)
         if copied:
             yield ("copy_in" if side == "unshard" else "grad_copy_in"), copied - pad
-        if side == "unshard" and world > 1 and not coalesced and len(leaves_of[0]) > 1:
+        params = len(collective.meta.get("graphshard", {}).get("params", ())) if stored \
+            else len(leaves_of[0])
+        if side == "unshard" and world > 1 and not coalesced and params > 1:
             outputs = {n for n in nodes if n not in before and n is not collective
                        and any(u not in members for u in n.users)}
             yield "interleave", sum(2 * _bytes(n) for n in outputs

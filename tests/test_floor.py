@@ -104,7 +104,8 @@ def test_a_coalesced_gather_copies_a_shard_only_where_it_must_be_padded():
     assert len(pads) == 2  # the head's weight and bias
     t, before = traffic(fw), traffic(flat)
     assert t.moved["interleave"] == t.minimum["interleave"] == 0 < before.moved["interleave"]
-    assert t.moved["copy_in"] == t.minimum["copy_in"] < before.moved["copy_in"]
+    # the flat gathers read their buckets' storage as it lies: no copy-in either
+    assert t.moved["copy_in"] == t.minimum["copy_in"] == before.moved["copy_in"] == 0
     assert t.moved["padding"] == before.moved["padding"] > 0
 
 

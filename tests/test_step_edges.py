@@ -76,8 +76,9 @@ def test_a_gather_the_step_cannot_rebuild_is_left_alone():
     from graphshard.passes import Plan, step_prefetch
     from graphshard.passes.fx_util import NodeMaker
 
-    with fake_process_group(2):
-        off, _ = _stages(_llama("tiny"), torch.randint(0, 256, (2, 16)), step_prefetch=False)
+    with fake_process_group(2):  # the gathers as the lowering builds them for step_prefetch
+        off, _ = _stages(_llama("tiny"), torch.randint(0, 256, (2, 16)), step_prefetch=False,
+                         gather_from_storage=False)
     fw = off["fw"]
     first, second = leading_gathers(fw.graph)
     shard = next(n for n in first.args[0].all_input_nodes if n.op != "placeholder")

@@ -274,11 +274,11 @@ def test_two_blocks_at_world2_by_hand(two_block_world2):
     (stages,) = two_block_world2
     t = step_traffic(two_block_world2)
     assert t == traffic([stages["fw"], stages["bw"]])
-    block = 48 + 6 + 48 + 4  # a block's shard elements (= its piece, nothing to pad)
-    head = 16 + 2  # the head's pieces: [2, 8] and [2], rank 0 holds both rows
-    # copy-in: forward gathers two blocks and the head; backward gathers block 1's weights
-    # again (48 + 48) and block 0's down weight alone (its shard is the buffer: no copy)
-    copy_in = 2 * (2 * block) + 2 * head + 2 * 96
+    # copy-in: forward gathers two blocks and the head, each from its bucket's flat storage
+    # (nothing copied: graphshard.api.bucket_storage); backward gathers block 1's weights
+    # again without their biases (48 + 48, part of the storage: copied) and block 0's down
+    # weight alone (its shard is the buffer: no copy)
+    copy_in = 2 * 96
     # interleave: each parameter of a several-parameter bucket read and written once; the
     # head's padded 4th row comes along (8 + 1 elements, read and written)
     interleave = 2 * 2 * 212 + 2 * (32 + 4) + 2 * (96 + 96)

@@ -163,12 +163,17 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         params = {}
         for name, spec, local in reads:
             if plain:
+                stored = None
                 if trains(local):  # a plain tensor in place of the DTensor (api.local_inputs)
                     shard = sub._graphshard_locals[name]
+                    stored = sub._graphshard_storages[name]  # api.bucket_storage, or None
                 else:
                     shard = sub._parameters[name].to_local()
                 if shard.is_meta:  # the attribute raises the error that says what to do
                     full = getattr(sub, name)
+                elif stored is not None:
+                    full = UNSHARD(shard, *spec, GradSync.FULL, storage=stored[0],
+                                   storage_index=stored[1])
                 elif shard.requires_grad:
                     full = UNSHARD(shard, *spec, GradSync.FULL)
                 else:

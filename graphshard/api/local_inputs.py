@@ -65,6 +65,7 @@ from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
+from graphshard.api.bucket_storage import keep_stored
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
@@ -252,6 +253,7 @@ def trains(index: int) -> bool:
     if entry is None or not isinstance(entry.param, DTensor):
         return False
     with unset_fake_temporarily():
+        keep_stored(entry, attach_local)  # the bucket's flat buffer (api.bucket_storage)
         attach_local(entry)
     return bool(entry.param.requires_grad)
 

@@ -15,7 +15,8 @@ immutable values reached through its ``__dict__`` and its class's own dicts
 (``docs/torch-versions.md``). So the module holds what the trace reads as plain attributes of
 its instance dict: dicts of indices into constant tables (:func:`_fixed_spec`, the root
 state's index), a dict of its parameters' plain tensors (``ShardedParam.local``, kept equal
-by :func:`graphshard.api.local_inputs.set_local`) and two flags; the records themselves are
+by :func:`graphshard.api.local_inputs.set_local`), a dict of their buckets' flat buffers
+(:mod:`graphshard.api.bucket_storage`) and two flags; the records themselves are
 read only where gradients are held back (``no_sync``) or tensor parallelism re-wraps.
 """
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
+from graphshard.api.bucket_storage import STORAGES_ATTR, register_storage_slots
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, LOCALS_ATTR, set_local, trains
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import ROOT_STATES, ShardedParam, ShardState
@@ -49,9 +51,11 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
     attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
     attrs[LOCAL_INDEX_ATTR] = local_index
     locals_ = attrs[LOCALS_ATTR] = {}
+    storages = attrs[STORAGES_ATTR] = {}
     for pname, (entry, _) in specs.items():
         entry.local_slots.append((locals_, pname))
         set_local(entry, entry.local)
+        register_storage_slots(entry, storages, pname)
     attrs[_HOLDS_TP_ATTR] = any(entry.tp is not None for entry, _ in specs.values())
     attrs[REGION_PARAMS_ATTR] = None  # set only while a block's region is traced
     attrs["_graphshard_root_state"] = state
@@ -155,6 +159,10 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
             shard = module._graphshard_locals[pname]
             if (state.sync == GradSync.FULL and not state.folds_held_back
                     and not module._graphshard_holds_tp and not shard.is_meta):
+                stored = module._graphshard_storages[pname]  # the bucket's buffer, or None
+                if stored is not None:
+                    return UNSHARD(shard, *spec, GradSync.FULL, storage=stored[0],
+                                   storage_index=stored[1])
                 return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
             return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
     entry = module._graphshard_specs[pname][0]

@@ -40,6 +40,7 @@ from graphshard.api.block_regions import (
     install_block_regions,
     unchecked_side_effect,
 )
+from graphshard.api.bucket_storage import store_buckets
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
 from graphshard.api.local_inputs import register_locals
@@ -492,6 +493,7 @@ def shard(
                 entry.names.append(fqn)
             owners.setdefault(id(sub), (sub, []))[1].append(pname)
 
+    store_buckets(state)  # each bucket's shards in one flat buffer (api.bucket_storage)
     state_index = register_state(module, state)
     # what compiled graphs read in place of each DTensor parameter (api.local_inputs)
     local_index = dict(zip(map(id, state.params), register_locals(state.params), strict=True))

@@ -1,0 +1,177 @@
+"""Each bucket's shards in one flat, padded buffer, so that its all-gather copies nothing in.
+
+The all-gather of a bucket sends one buffer per rank: its shards flattened, each padded to
+its piece (``graphshard.passes.layout``) and concatenated. Built in the compiled graph, that
+buffer is a copy of the bucket's shards at every gather, forward and backward. Stored that
+way to begin with, it is not: :func:`store_buckets` lays each bucket's shards out in one flat
+buffer, piece after piece (padding zeroed), and every parameter's local tensor lives in it.
+The compiled reads pass the buffer to the ``unshard`` marker (``storage``, with the
+parameter's place in it, ``storage_index``), and the lowering gathers it as it is
+(``graphshard.passes.bucket_storage``). The parameters are the same DTensors; the optimizer,
+state dicts and DCP read and write them in place as before.
+
+Each local tensor is a tensor of its own over its piece of the buffer (DLPack hands it out
+with its own storage, at offset 0, holding the buffer alive), not a view at an offset:
+torch's DTensor takes its local tensor's storage offset, and a DTensor at a nonzero offset
+fails ``copy.deepcopy`` and ``torch.save`` (torch 2.11 to 2.14), which users run on state
+dicts. FSDP2's padded buffers are per parameter, at offset 0, for the same reason. So
+nothing in torch sees the sharing; graphshard keeps it true, below.
+
+A bucket is stored this way when the gather could read it as it is:
+
+- more than one rank gathers, without CPU offload or tensor parallelism;
+- every parameter trains (a frozen one is read through its DTensor), and all have one dtype
+  and device;
+- no mixed-precision cast: a cast writes a new buffer anyway, and the copy-in is fused into it.
+
+The layout can be lost: ``to_empty()``, ``.to()``, ``load_state_dict(assign=True)`` give each
+parameter a new local tensor (a model sharded on the meta device has no memory to lay out
+yet). So before a trace reads a parameter, :func:`keep_stored` checks its bucket (each
+parameter's local tensor still the one laid out) and lays it out again (one copy of its
+shards), or drops the buffer where the bucket stopped qualifying (a parameter frozen since).
+The parameters' plain tensors are re-made with it (:mod:`graphshard.api.local_inputs`) and the
+modules' buffer slots change, which fails Dynamo's guards on graphs traced before: no graph
+runs on a buffer its parameters no longer live in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+from torch.utils.dlpack import from_dlpack
+
+from graphshard.passes.layout import Dim0Layout
+from graphshard.records import ShardedParam, ShardState
+
+__all__ = ["STORAGES_ATTR", "BucketStorage", "keep_stored", "register_storage_slots",
+           "store_buckets"]
+
+# On a sharded module: parameter name -> (its bucket's flat buffer, its place there) or None.
+# A dict in the module's own ``__dict__``, as ``local_inputs.LOCALS_ATTR``, so that Dynamo
+# can skip the module's guards while it is unchanged; :func:`_publish` is the one writer.
+STORAGES_ATTR = "_graphshard_storages"
+
+
+class BucketStorage:
+    """One bucket's records and, while it is laid out, its buffer and the local tensors
+    made in it (the parameters' ``_local_tensor`` then, object for object)."""
+
+    def __init__(self, entries: list[ShardedParam]) -> None:
+        self.entries = entries
+        self.flat: torch.Tensor | None = None
+        self.locals: list[torch.Tensor] = []
+
+    def laid_out(self) -> bool:
+        return self.flat is not None and all(
+            _local(e) is t for e, t in zip(self.entries, self.locals, strict=True))
+
+
+def store_buckets(state: ShardState) -> None:
+    """At ``shard()``: group ``state``'s records by bucket where the bucket's storage may be
+    one buffer (module docstring), and lay out those that qualify now."""
+    if state.world_size == 1 or state.offload is not None:
+        return
+    buckets: dict[int, list[ShardedParam]] = {}
+    for entry in state.params:
+        buckets.setdefault(entry.bucket, []).append(entry)
+    cast = state.mixed_precision.param_dtype if state.mixed_precision is not None else None
+    for entries in buckets.values():
+        if any(entry.tp is not None for entry in entries):
+            continue
+        if cast is not None and cast != entries[0].param.dtype:
+            continue
+        group = BucketStorage(entries)
+        for entry in entries:
+            entry.storage_group = group
+        keep_stored(entries[0])
+
+
+def keep_stored(entry: ShardedParam, attach: Callable[[ShardedParam], None] | None = None
+                ) -> None:
+    """Lay ``entry``'s bucket out in one buffer if it qualifies and is not laid out, or drop
+    its buffer if it no longer qualifies. ``attach`` re-makes a record's plain tensor after
+    its local tensor changed."""
+    group: BucketStorage | None = entry.storage_group
+    if group is None:
+        return
+    locals_ = [_local(e) for e in group.entries]
+    if any(t is None or t.is_meta for t in locals_):
+        return  # no memory to lay out yet (a meta model before to_empty)
+    laid_out = group.laid_out()
+    if not laid_out and group.flat is not None:  # lost since: no read may pass that buffer
+        group.flat, group.locals = None, []
+        _publish(group)
+    qualifies = _qualifies(group.entries, locals_)
+    if qualifies == laid_out:
+        return
+    if qualifies:
+        _lay_out(group, locals_)
+    else:  # each shard its own storage again
+        with torch.no_grad():
+            for e, t in zip(group.entries, locals_, strict=True):
+                e.param._local_tensor = t.clone()
+        group.flat, group.locals = None, []
+    _publish(group)
+    if attach is not None:
+        for e in group.entries:
+            attach(e)
+
+
+def register_storage_slots(entry: ShardedParam, slots: dict, name: str) -> None:
+    """``slots[name]`` (a module's :data:`STORAGES_ATTR` dict) follows ``entry``'s buffer."""
+    entry.storage_slots.append((slots, name))
+    slots[name] = _slot_value(entry)
+
+
+def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> None:
+    """One zeroed buffer, each shard copied to its piece, each parameter's local tensor made
+    over that piece."""
+    pieces = [_piece(e) for e in group.entries]
+    first = locals_[0]
+    flat = first.new_zeros(sum(pieces))
+    made, offset = [], 0
+    with torch.no_grad():
+        for e, t, piece in zip(group.entries, locals_, pieces, strict=True):
+            view = flat[offset:offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            local = view if is_fake(view) else from_dlpack(view)  # its own storage, offset 0
+            e.param._local_tensor = local  # as FSDP2 re-points a sharded parameter
+            made.append(local)
+            offset += piece
+    group.flat, group.locals = flat, made
+
+
+def _publish(group: BucketStorage) -> None:
+    for e in group.entries:
+        value = _slot_value(e)
+        for slots, name in e.storage_slots:
+            slots[name] = value
+
+
+def _slot_value(entry: ShardedParam) -> tuple[torch.Tensor, int] | None:
+    group: BucketStorage | None = entry.storage_group
+    if group is None or group.flat is None:
+        return None
+    return group.flat, group.entries.index(entry)
+
+
+def _local(entry: ShardedParam) -> Any:
+    param = entry.param
+    return param._local_tensor if isinstance(param, DTensor) else None
+
+
+def _piece(entry: ShardedParam) -> int:
+    return Dim0Layout(entry.full_shape, entry.param.device_mesh.size(-1)).piece_numel
+
+
+def _qualifies(entries: list[ShardedParam], locals_: list[torch.Tensor]) -> bool:
+    first = locals_[0]
+    return all(
+        e.param.requires_grad and t.dtype == first.dtype and t.device == first.device
+        and t.is_contiguous()
+        for e, t in zip(entries, locals_, strict=True)
+    )
