@@ -106,7 +106,9 @@ def test_a_coalesced_gather_copies_a_shard_only_where_it_must_be_padded():
     assert t.moved["interleave"] == t.minimum["interleave"] == 0 < before.moved["interleave"]
     # the flat gathers read their buckets' storage as it lies: no copy-in either
     assert t.moved["copy_in"] == t.minimum["copy_in"] == before.moved["copy_in"] == 0
-    assert t.moved["padding"] == before.moved["padding"] > 0
+    # the coalesced gather pads the head's empty shards; the flat one's padding lies in the
+    # bucket's storage, zeroed once when shard() laid it out
+    assert t.moved["padding"] > before.moved["padding"] == 0
 
 
 def test_a_coalesced_reduce_scatter_takes_each_gradient_where_it_lives():
