@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import graphshard
@@ -185,7 +186,7 @@ def test_to_empty_then_a_trace_lays_the_buckets_out_again(world2):
     a model sharded with its values."""
     with torch.device("meta"):
         model = Llama(CFG)
-    graphshard.shard(model)
+    graphshard.shard(model, init_device_mesh("cpu", (2,)))  # a CUDA build would pick cuda
     model.to_empty(device="cpu")
     reference = graphshard.shard(_model())
     model.load_state_dict(reference.state_dict())
