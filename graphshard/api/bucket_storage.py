@@ -17,21 +17,19 @@ fails ``copy.deepcopy`` and ``torch.save`` (torch 2.11 to 2.14), which users run
 dicts. FSDP2's padded buffers are per parameter, at offset 0, for the same reason. So
 nothing in torch sees the sharing; graphshard keeps it true, below.
 
-A bucket is stored this way when the gather could read it as it is:
-
-- more than one rank gathers, without CPU offload or tensor parallelism;
-- every parameter trains (a frozen one is read through its DTensor), and all have one dtype
-  and device;
-- no mixed-precision cast: a cast writes a new buffer anyway, and the copy-in is fused into it.
+A bucket is stored this way when the gather could read it as it is: more than one rank
+gathers, without CPU offload or tensor parallelism, no mixed-precision cast (a cast writes a
+new buffer anyway, and the copy-in is fused into it), and its shards have one dtype and
+device. Only a trainable parameter's compiled read hands the buffer over (a frozen one is read
+through its DTensor), so a bucket with a frozen parameter is copied in, as before.
 
 The layout can be lost: ``to_empty()``, ``.to()``, ``load_state_dict(assign=True)`` give each
 parameter a new local tensor (a model sharded on the meta device has no memory to lay out
 yet). So before a trace reads a parameter, :func:`keep_stored` checks its bucket (each
 parameter's local tensor still the one laid out) and lays it out again (one copy of its
-shards), or drops the buffer where the bucket stopped qualifying (a parameter frozen since).
-The parameters' plain tensors are re-made with it (:mod:`graphshard.api.local_inputs`) and the
-modules' buffer slots change, which fails Dynamo's guards on graphs traced before: no graph
-runs on a buffer its parameters no longer live in.
+shards). The parameters' plain tensors are re-made with it (:mod:`graphshard.api.local_inputs`)
+and the modules' buffer slots change, which fails Dynamo's guards on graphs traced before: no
+graph runs on a buffer its parameters no longer live in.
 """
 
 from __future__ import annotations
@@ -92,9 +90,9 @@ def store_buckets(state: ShardState) -> None:
 
 def keep_stored(entry: ShardedParam, attach: Callable[[ShardedParam], None] | None = None
                 ) -> None:
-    """Lay ``entry``'s bucket out in one buffer if it qualifies and is not laid out, or drop
-    its buffer if it no longer qualifies. ``attach`` re-makes a record's plain tensor after
-    its local tensor changed."""
+    """Lay ``entry``'s bucket out in one buffer if it is not (any more) and can be; forget a
+    buffer its parameters no longer live in. ``attach`` re-makes a record's plain tensor
+    after its local tensor changed."""
     group: BucketStorage | None = entry.storage_group
     if group is None:
         return
@@ -105,16 +103,8 @@ def keep_stored(entry: ShardedParam, attach: Callable[[ShardedParam], None] | No
     if not laid_out and group.flat is not None:  # lost since: no read may pass that buffer
         group.flat, group.locals = None, []
         _publish(group)
-    qualifies = _qualifies(group.entries, locals_)
-    if qualifies == laid_out:
+    if laid_out or not _qualifies(locals_) or not _lay_out(group, locals_):
         return
-    if qualifies:
-        _lay_out(group, locals_)
-    else:  # each shard its own storage again
-        with torch.no_grad():
-            for e, t in zip(group.entries, locals_, strict=True):
-                e.param._local_tensor = t.clone()
-        group.flat, group.locals = None, []
     _publish(group)
     if attach is not None:
         for e in group.entries:
@@ -127,22 +117,25 @@ def register_storage_slots(entry: ShardedParam, slots: dict, name: str) -> None:
     slots[name] = _slot_value(entry)
 
 
-def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> None:
+def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> bool:
     """One zeroed buffer, each shard copied to its piece, each parameter's local tensor made
-    over that piece."""
+    over that piece; False (nothing changed) where DLPack cannot hand out the dtype."""
     pieces = [_piece(e) for e in group.entries]
-    first = locals_[0]
-    flat = first.new_zeros(sum(pieces))
+    flat = locals_[0].new_zeros(sum(pieces))
     made, offset = [], 0
     with torch.no_grad():
-        for e, t, piece in zip(group.entries, locals_, pieces, strict=True):
+        for t, piece in zip(locals_, pieces, strict=True):
             view = flat[offset:offset + t.numel()].view(t.shape)
             view.copy_(t)
-            local = view if is_fake(view) else from_dlpack(view)  # its own storage, offset 0
-            e.param._local_tensor = local  # as FSDP2 re-points a sharded parameter
-            made.append(local)
+            try:
+                made.append(view if is_fake(view) else from_dlpack(view))  # offset 0
+            except (BufferError, RuntimeError, TypeError):
+                return False  # a dtype DLPack lacks: the bucket keeps its shards as they are
             offset += piece
+    for e, local in zip(group.entries, made, strict=True):
+        e.param._local_tensor = local  # as FSDP2 re-points a sharded parameter
     group.flat, group.locals = flat, made
+    return True
 
 
 def _publish(group: BucketStorage) -> None:
@@ -168,10 +161,7 @@ def _piece(entry: ShardedParam) -> int:
     return Dim0Layout(entry.full_shape, entry.param.device_mesh.size(-1)).piece_numel
 
 
-def _qualifies(entries: list[ShardedParam], locals_: list[torch.Tensor]) -> bool:
+def _qualifies(locals_: list[torch.Tensor]) -> bool:
     first = locals_[0]
-    return all(
-        e.param.requires_grad and t.dtype == first.dtype and t.device == first.device
-        and t.is_contiguous()
-        for e, t in zip(entries, locals_, strict=True)
-    )
+    return all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous()
+               for t in locals_)
