@@ -38,6 +38,7 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
+from graphshard.api.bucket_storage import place as storage_place
 from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
 from graphshard.passes.markers import UNSHARD, GradSync
@@ -116,8 +117,9 @@ unchecked_side_effect = getattr(
 # What gathering a block's parameters reads, fixed by ``shard()``: its model's index into
 # ``ROOT_STATES`` and, per submodule holding sharded parameters, (path from the block,
 # ((parameter name, its ``unshard`` arguments as a plain tuple, its record's index for
-# ``local_inputs.trains``), ...)). A served block holds the index of its entry.
-_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple, int], ...]], ...]]
+# ``local_inputs.trains``, its place in its bucket's buffer: ``bucket_storage.place``), ...)).
+# A served block holds the index of its entry.
+_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple, int, int], ...]], ...]]
 _BLOCK_READS: list[_Reads] = []
 _READS_ATTR = "_graphshard_block_reads"
 
@@ -129,8 +131,9 @@ def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict, dict],
 
 
 def _register_reads(state_index: int, layout: tuple) -> int:
-    reads = (state_index, tuple((path, tuple((name, tuple(spec), local[name])
-                                             for name, (_, spec) in specs.items()))
+    reads = (state_index, tuple((path, tuple((name, tuple(spec), local[name],
+                                              storage_place(entry))
+                                             for name, (entry, spec) in specs.items()))
                                 for path, specs, local in layout))
     _BLOCK_READS.append(reads)
     return len(_BLOCK_READS) - 1
@@ -161,7 +164,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         for name in path:
             sub = getattr(sub, name)
         params = {}
-        for name, spec, local in reads:
+        for name, spec, local, place in reads:
             if plain:
                 stored = None
                 if trains(local):  # a plain tensor in place of the DTensor (api.local_inputs)
@@ -172,8 +175,8 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
                 if shard.is_meta:  # the attribute raises the error that says what to do
                     full = getattr(sub, name)
                 elif stored is not None:
-                    full = UNSHARD(shard, *spec, GradSync.FULL, storage=stored[0],
-                                   storage_index=stored[1])
+                    full = UNSHARD(shard, *spec, GradSync.FULL, storage=stored,
+                                   storage_index=place)
                 elif shard.requires_grad:
                     full = UNSHARD(shard, *spec, GradSync.FULL)
                 else:

@@ -6,9 +6,9 @@ buffer is a copy of the bucket's shards at every gather, forward and backward. S
 way to begin with, it is not: :func:`store_buckets` lays each bucket's shards out in one flat
 buffer, piece after piece (padding zeroed), and every parameter's local tensor lives in it.
 The compiled reads pass the buffer to the ``unshard`` marker (``storage``, with the
-parameter's place in it, ``storage_index``), and the lowering gathers it as it is
-(``graphshard.passes.bucket_storage``). The parameters are the same DTensors; the optimizer,
-state dicts and DCP read and write them in place as before.
+parameter's place in it, ``storage_index``, a constant of the trace), and the lowering
+gathers it as it is (``graphshard.passes.bucket_storage``). The parameters are the same
+DTensors; the optimizer, state dicts and DCP read and write them in place as before.
 
 Each local tensor is a tensor of its own over its piece of the buffer (DLPack hands it out
 with its own storage, at offset 0, holding the buffer alive), not a view at an offset:
@@ -45,10 +45,11 @@ from torch.utils.dlpack import from_dlpack
 from graphshard.passes.layout import Dim0Layout
 from graphshard.records import ShardedParam, ShardState
 
-__all__ = ["STORAGES_ATTR", "BucketStorage", "keep_stored", "register_storage_slots",
+__all__ = ["STORAGES_ATTR", "BucketStorage", "keep_stored", "place", "register_storage_slots",
            "store_buckets"]
 
-# On a sharded module: parameter name -> (its bucket's flat buffer, its place there) or None.
+# On a sharded module: parameter name -> its bucket's flat buffer, or None. (Its place there
+# is fixed by ``shard()``: :func:`place`, which the reads take as a constant.)
 # A dict in the module's own ``__dict__``, as ``local_inputs.LOCALS_ATTR``, so that Dynamo
 # can skip the module's guards while it is unchanged; :func:`_publish` is the one writer.
 STORAGES_ATTR = "_graphshard_storages"
@@ -145,11 +146,16 @@ def _publish(group: BucketStorage) -> None:
             slots[name] = value
 
 
-def _slot_value(entry: ShardedParam) -> tuple[torch.Tensor, int] | None:
+def _slot_value(entry: ShardedParam) -> torch.Tensor | None:
     group: BucketStorage | None = entry.storage_group
-    if group is None or group.flat is None:
-        return None
-    return group.flat, group.entries.index(entry)
+    return None if group is None else group.flat
+
+
+def place(entry: ShardedParam) -> int:
+    """``entry``'s piece among its bucket's in the buffer (fixed by ``shard()``), or -1 for
+    a bucket never laid out in one buffer."""
+    group: BucketStorage | None = entry.storage_group
+    return -1 if group is None else group.entries.index(entry)
 
 
 def _local(entry: ShardedParam) -> Any:

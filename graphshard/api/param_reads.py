@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
-from graphshard.api.bucket_storage import STORAGES_ATTR, register_storage_slots
+from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, LOCALS_ATTR, set_local, trains
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import ROOT_STATES, ShardedParam, ShardState
@@ -48,7 +48,8 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
     :func:`graphshard.api.local_inputs.trains`."""
     attrs = module.__dict__
     attrs["_graphshard_specs"] = specs
-    attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec) for pname, (_, spec) in specs.items()}
+    attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec, place(entry))
+                               for pname, (entry, spec) in specs.items()}
     attrs[LOCAL_INDEX_ATTR] = local_index
     locals_ = attrs[LOCALS_ATTR] = {}
     storages = attrs[STORAGES_ATTR] = {}
@@ -115,9 +116,20 @@ _SPECS: list[tuple] = []
 _SPEC_INDEX_ATTR = "_graphshard_spec_index"
 
 
-def _register_spec(spec: UnshardSpec) -> int:
+_PLACES: list[int] = []  # by the same index: the parameter's place in its bucket's buffer
+
+
+def _register_spec(spec: UnshardSpec, storage_place: int) -> int:
     _SPECS.append(tuple(spec))
+    _PLACES.append(storage_place)
     return len(_SPECS) - 1
+
+
+@torch.compiler.assume_constant_result
+def _fixed_place(index: int) -> int:
+    """A parameter's place in its bucket's buffer (``graphshard.api.bucket_storage.place``):
+    a constant of the trace, not a guard."""
+    return _PLACES[index]
 
 
 @torch.compiler.assume_constant_result
@@ -161,8 +173,8 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
                     and not module._graphshard_holds_tp and not shard.is_meta):
                 stored = module._graphshard_storages[pname]  # the bucket's buffer, or None
                 if stored is not None:
-                    return UNSHARD(shard, *spec, GradSync.FULL, storage=stored[0],
-                                   storage_index=stored[1])
+                    return UNSHARD(shard, *spec, GradSync.FULL, storage=stored,
+                                   storage_index=_fixed_place(module._graphshard_spec_index[pname]))
                 return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
             return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
     entry = module._graphshard_specs[pname][0]
