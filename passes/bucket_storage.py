@@ -35,8 +35,8 @@ def bucket_storage(slots: dict[fx.Node, list[fx.Node]], layouts: dict[fx.Node, D
     in its order; None when there is none (module docstring). ``slots``: each shard node's
     markers; ``layouts``: each shard node's layout; ``args``: the bucket's first marker's
     arguments."""
-    if args.param_dtype is not None or args.compute_device:
-        return None  # a cast or a copy makes a new buffer anyway: the copy-in is fused into it
+    if args.compute_device:
+        return None  # the copy to the device makes a new buffer anyway
     places: dict[int, fx.Node] = {}
     storage = None
     for shard, nodes in slots.items():
@@ -54,6 +54,8 @@ def bucket_storage(slots: dict[fx.Node, list[fx.Node]], layouts: dict[fx.Node, D
     first = order[0].meta.get("val")
     if val is None or first is None or val.dim() != 1 or val.dtype != first.dtype:
         return None
+    if args.param_dtype not in (None, first.dtype):
+        return None  # a cast makes a new buffer anyway: the copy-in is fused into it
     if val.numel() != sum(layouts[shard].piece_numel for shard in order):
         return None
     if len(order) == 1 and first.numel() == val.numel():

@@ -153,6 +153,22 @@ def test_a_flat_gather_reads_the_storage_and_copies_nothing_in(world2):
     assert traffic[True].moved["interleave"] == traffic[False].moved["interleave"]
 
 
+@pytest.mark.parametrize("param_dtype,from_storage", [(torch.float32, True),
+                                                     (torch.bfloat16, False)],
+                         ids=["fp32-params", "bf16-params"])
+def test_mixed_precision_gathers_the_storage_only_without_a_cast(world2, param_dtype,
+                                                                  from_storage):
+    """Gathering fp32 parameters as fp32 (a bf16 reduction only) reads the storage; gathering
+    them as bf16 casts, which writes the gather buffer anyway, so the shards are cast in."""
+    policy = graphshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.bfloat16)
+    backend = graphshard.backend(inductor=False)
+    model = graphshard.shard(_model(), mixed_precision=policy)
+    torch.compile(model, backend=backend)(_batch(0)).loss.backward()
+    gathers = _forward_gathers(backend.graphs[0]["fw"])
+    assert gathers
+    assert [g.args[0].op == "placeholder" for g in gathers] == [from_storage] * len(gathers)
+
+
 @UNEVEN
 def test_training_from_the_storage_matches_the_copied_in_path(world_rank):
     """Three AdamW steps compiled with Inductor, gathering from the storage and copying in:
