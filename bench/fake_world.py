@@ -11,8 +11,10 @@ rank holds. The collectives then have definite, real results, computed here:
 - broadcast and barrier: nothing to do (the root holds what this rank holds).
 
 Step times measured on it are the compute side of an N-rank step (the collectives cost a
-local copy). Models train on real values: a gathered weight is this rank's rows repeated,
-so the loss moves like a real run's, if not along the same path.
+local copy, made inline on the step's thread; :func:`collective_seconds` counts that time, so
+the bench can also report a step without it). Models train on real values: a gathered
+weight is this rank's rows repeated, so the loss moves like a real run's, if not along the
+same path.
 
 :func:`init_fake_world` registers the backend with ``torch.distributed`` (the way
 ``torch.testing._internal.distributed.fake_pg`` registers its data-free ``fake`` backend)
@@ -38,7 +40,9 @@ analytical model), and raises if a collective ever reached it instead of the gro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,6 +56,7 @@ __all__ = [
     "FakeWorldGroup",
     "LoggedCollective",
     "collective_log",
+    "collective_seconds",
     "init_fake_world",
     "register_backend",
     "shutdown_fake_world",
@@ -88,6 +93,32 @@ def collective_log() -> Iterator[list[LoggedCollective]]:
 def _log(kind: str, tensors: list[torch.Tensor]) -> None:
     if _LOG is not None:
         _LOG.append(LoggedCollective(kind, sum(t.numel() * t.element_size() for t in tensors)))
+
+
+# Seconds the fake-world groups of this process have spent in their collectives (one cell:
+# the running total that :func:`_timed` adds to).
+_SECONDS = [0.0]
+
+
+def collective_seconds() -> float:
+    """Wall-clock seconds every fake-world group of this process has spent computing its
+    collectives so far (a running total: take differences). On CUDA it is the time to issue
+    the copies, not to run them."""
+    return _SECONDS[0]
+
+
+def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` adding its wall-clock time to :func:`collective_seconds`."""
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _SECONDS[0] += time.perf_counter() - start
+
+    return timed
 
 
 def _done(result: Any) -> dist.Work:
@@ -317,8 +348,8 @@ _COLLECTIVES = (
     "reduce_scatter_tensor_coalesced", "reduce_scatter", "allreduce", "allreduce_coalesced",
     "reduce", "broadcast", "scatter", "gather", "barrier", "alltoall_base", "all_to_all_single",
 )  # fmt: skip
-for _name in _COLLECTIVES:  # opaque to Dynamo, like a C++ group's methods
-    setattr(FakeWorldGroup, _name, torch._dynamo.disable(getattr(FakeWorldGroup, _name)))
+for _name in _COLLECTIVES:  # timed, and opaque to Dynamo, like a C++ group's methods
+    setattr(FakeWorldGroup, _name, torch._dynamo.disable(_timed(getattr(FakeWorldGroup, _name))))
 
 
 def _device_backend(rank: int, size: int) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from bench.comm import communication
 from bench.host_tax import HOST_BUCKETS
-from bench.timing import round_ratios, step_stats
+from bench.timing import inline_collective_stats, round_ratios, step_stats
 
 # The system the others are compared with (``graphshard_ratio``).
 REFERENCE = "graphshard-compiled"
@@ -33,6 +33,8 @@ FIELDS: tuple[str, ...] = (
     "wait_s",
     "copy_bytes_per_step",
     "copy_floor_bytes",
+    "collective_s_median",
+    "compute_s_median",
     "first_loss",
     "final_loss",
     "predicted_step_s",
@@ -70,6 +72,7 @@ def summarize(name: str, per_rank: list[dict], warmup: int) -> dict:
     ranks = [res for res in per_rank if not res.get("idle")]
     notes = list(dict.fromkeys(n for res in ranks for n in res["notes"]))  # unique, in order
     record.update(step_stats(ranks, warmup))
+    record.update(inline_collective_stats(ranks, warmup))
     record.update(communication(ranks, notes))
     record["peak_mem_bytes"] = max(res["peak_mem_bytes"] for res in ranks)
     record["peak_mem_bytes_by_rank"] = [res["peak_mem_bytes"] for res in ranks]
@@ -140,6 +143,33 @@ def device_time_lines(systems: list[dict], top: int = 5) -> list[str]:
         ranked = sorted(families.items(), key=lambda item: -item[1][0])
         lines.append(f"- {s['system']}: " + ", ".join(
             f"{family} {count} ({sec * 1e3:.1f})" for family, (sec, count) in ranked))
+    return lines
+
+
+def fake_world_lines(systems: list[dict], reference: str = "single-compiled") -> list[str]:
+    """A fake world's steps without their collectives: each system's time in the fake
+    groups' collectives (local copies made inline, on the step's thread, where a real
+    group's transfers run elsewhere), the step less that time, and that against
+    ``reference``'s round by round. No lines without those measurements (a real world, CUDA).
+    """
+    measured = [s for s in systems if s.get("compute_s_median") is not None]
+    if not measured:
+        return []
+    base = next((s for s in measured if s["system"] == reference), None)
+    lines = [
+        "",
+        "The fake world's collectives are local copies made on the step's own thread. "
+        f"Without them (the ratio is the step less them over {reference}'s, round by round):",
+        "",
+        f"| system | collectives ms | step without them ms | / {reference} (p10-p90) |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in measured:
+        ratio = round_ratios(s["round_compute_s"], base["round_compute_s"]) if base else None
+        lines.append(
+            f"| {s['system']} | {_fmt(s['collective_s_median'], 1e3)} "
+            f"| {_fmt(s['compute_s_median'], 1e3)} | {_spread(ratio)} |"
+        )
     return lines
 
 
@@ -311,6 +341,7 @@ def to_markdown(report: dict) -> str:
             "split into Dynamo's guards, AOTAutograd's wrappers, the optimizer and the rest "
             "(bench/host_tax.py).",
         ]
+    lines += fake_world_lines(systems)
     lines += device_time_lines(systems)
     noted = [s for s in systems if s["notes"]]
     if noted:

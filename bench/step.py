@@ -86,7 +86,10 @@ single-compiled); master weights and AdamW state stay fp32 everywhere. fp16 runs
 
 ``--fake-world N`` runs one process as rank 0 of N ranks (:mod:`bench.fake_world`): the
 collectives are computed locally with real data (a gather tiles this rank's shard), so the
-times are the compute side of an N-rank step without the network.
+times are the compute side of an N-rank step without the network. Those local copies run
+inline, on the step's own thread, where a real group's transfers would not; on the CPU each
+step's time inside them is recorded too, and the report gives each system's step without it
+(:func:`bench.report.fake_world_lines`).
 
 A system that cannot be built because its package is missing (SimpleFSDP without
 torchtitan) is recorded as skipped, and one that raises on some rank as failed, with the
@@ -294,6 +297,8 @@ class Trial:
     compiled: list[int] = field(default_factory=list)  # new Dynamo graphs, per step
     rounds: list[int] = field(default_factory=list)  # the round of each step (-1: first)
     resident_bytes: int = 0  # CUDA: memory the system added from build to its first step
+    # fake world on the CPU: seconds of each step spent in the fake groups' collectives
+    collective_times: list[float] = field(default_factory=list)
 
 
 def _tokens(trial: Trial, args: argparse.Namespace, rank: int, device: torch.device):
@@ -310,12 +315,17 @@ def _timed_step(
 ) -> None:
     from torch._dynamo.utils import counters
 
+    from bench.fake_world import collective_seconds
+
     tokens = _tokens(trial, args, rank, device)
     graphs = counters["stats"]["unique_graphs"]
+    inline = collective_seconds()
     start = time.perf_counter()
     loss = train_step(trial.system, tokens)
     sync(device)
     trial.times.append(time.perf_counter() - start)
+    if args.fake_world and device.type == "cpu":  # on CUDA the copies run on the device
+        trial.collective_times.append(collective_seconds() - inline)
     trial.losses.append(loss.item())
     trial.compiled.append(counters["stats"]["unique_graphs"] - graphs)
     trial.rounds.append(round_)
@@ -417,6 +427,8 @@ def finish(trial: Trial, args: argparse.Namespace, rank: int, device: torch.devi
         "rounds": list(trial.rounds),
         "notes": list(trial.system.notes),
     }
+    if trial.collective_times:
+        result["collective_times"] = list(trial.collective_times)
     recompiled = sum(1 for n in trial.compiled[args.warmup :] if n)
     if recompiled:
         result["notes"].append(

@@ -110,6 +110,33 @@ def step_stats(ranks: list[dict], warmup: int) -> dict[str, Any]:
     }
 
 
+def inline_collective_stats(ranks: list[dict], warmup: int) -> dict[str, Any]:
+    """A fake world's step without its collectives' inline copies (empty without them).
+
+    Each rank's ``collective_times`` holds, per step, the seconds spent in the fake groups'
+    collectives (:func:`bench.fake_world.collective_seconds`). ``compute_s_median`` is the
+    median of the step less them (the slowest rank's), ``round_compute_s`` its per-round
+    medians (as :func:`step_stats`' ``round_step_s``).
+    """
+    if not all(res.get("collective_times") for res in ranks):
+        return {}
+    per_rank = [
+        [t - c for t, c in zip(res["times"], res["collective_times"], strict=True)]
+        for res in ranks
+    ]
+    compute = [max(ts) for ts in zip(*per_rank, strict=True)][warmup:]
+    inline = [max(cs) for cs in zip(*(r["collective_times"] for r in ranks), strict=True)]
+    rounds = ranks[0].get("rounds") or list(range(len(inline)))
+    by_round: dict[int, list[float]] = {}
+    for round_, step_s in zip(rounds[warmup:], compute, strict=True):
+        by_round.setdefault(round_, []).append(step_s)
+    return {
+        "collective_s_median": statistics.median(inline[warmup:]),
+        "compute_s_median": statistics.median(compute),
+        "round_compute_s": [statistics.median(by_round[r]) for r in sorted(by_round)],
+    }
+
+
 def round_ratios(numerator: list[float], denominator: list[float]) -> dict[str, Any] | None:
     """Round-by-round ratio of two systems' round medians: its median, p10, p90, min, max.
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from bench.comm import count_collectives
-from bench.report import add_ratios
+from bench.fake_world import collective_seconds
+from bench.report import add_ratios, fake_world_lines
 from bench.step import (
     FIELDS,
     _attempt,
@@ -31,7 +32,7 @@ from bench.step import (
     to_markdown,
 )
 from bench.systems import BenchContext, PeerUnavailable, block_bucket_plans, variant_options
-from bench.timing import round_ratios
+from bench.timing import inline_collective_stats, round_ratios
 from graphshard.models.llama import Llama, llama_config
 
 SYSTEMS = [
@@ -235,6 +236,21 @@ def test_fake_world_trains_on_real_values(fake_world):
         assert losses[-1] < losses[0] - (0.05 if name in FAKE_SHARDED else 0.01), s
         if name != "single-compiled":
             assert s["collectives_per_step"] > 0 and s["bytes_per_step"] > 0, s
+
+
+def test_fake_world_steps_are_also_given_without_the_collectives(fake_world):
+    """On the CPU the fake groups' copies run inline; each row says how long, and the step
+    without them, against one process's."""
+    report, table = fake_world
+    for name, s in _fake_world_rows(report).items():
+        inline, compute = s["collective_s_median"], s["compute_s_median"]
+        if name == "single-compiled":
+            assert inline == 0.0 and compute == s["step_s_median"], s
+        else:
+            assert 0.0 < inline < s["step_s_median"], s
+            assert compute < s["step_s_median"], s
+    assert "| system | collectives ms | step without them ms | / single-compiled" in table
+    assert "| single-compiled | 0.0 |" in table
 
 
 def test_bf16_losses_of_every_system_stay_close(fake_world):
@@ -481,6 +497,34 @@ def test_failed_system_has_null_numbers_and_the_error():
     assert same["notes"] == "failed (every rank): E: boom"
     add_ratios([record, same])
     assert record["graphshard_ratio"] is None
+
+
+def test_steps_without_inline_collectives_are_taken_step_by_step():
+    rank = {"times": [9.0, 1.0, 2.0, 3.0, 4.0], "rounds": [-1, 0, 0, 1, 1],
+            "collective_times": [5.0, 0.5, 0.5, 1.0, 3.0], "notes": [], "losses": [1.0] * 5,
+            "peak_mem_bytes": 0, "comm": None}
+    stats = inline_collective_stats([rank], warmup=1)
+    assert stats == {"collective_s_median": 0.75, "compute_s_median": 1.25,
+                     "round_compute_s": [1.0, 1.5]}
+    assert inline_collective_stats([{**rank, "collective_times": []}], warmup=1) == {}
+    alone = {**rank, "collective_times": [0.0] * 5}
+    records = [{"system": "x", **stats},
+               {"system": "single-compiled", **inline_collective_stats([alone], warmup=1)}]
+    lines = fake_world_lines(records)
+    assert "| x | 750.0 | 1,250.0 | 0.55 (0.43-0.67) |" in lines  # 1.0/1.5 and 1.5/3.5
+    assert fake_world_lines([{"system": "x", "compute_s_median": None}]) == []
+
+
+def test_fake_world_groups_time_their_collectives(fake_world_of_4):
+    before = collective_seconds()
+    torch.ones(1 << 20).mul_(2)  # not a collective: not counted
+    assert collective_seconds() == before
+    out = torch.empty(4 << 20)
+    dist.all_gather_into_tensor(out, torch.ones(1 << 20))
+    gathered = collective_seconds()
+    assert gathered > before
+    funcol.reduce_scatter_tensor(out, "sum", 0, dist.group.WORLD).wait()  # compiled graphs' op
+    assert collective_seconds() > gathered
 
 
 def test_round_ratios():
