@@ -262,3 +262,50 @@ def test_state_dicts_deepcopy_and_save_with_the_buckets_laid_out(world2, tmp_pat
     assert path.stat().st_size < shard_bytes + 64 * 1024
     for name, value in state.items():
         torch.testing.assert_close(loaded[name].to_local(), value.to_local(), rtol=0, atol=0)
+
+
+def _new_values_after_a_step(how: str):
+    """A compiled model and its eager twin trained a step, then given new values for every
+    parameter ``how``: ``"assign"`` (``load_state_dict(assign=True)`` of fresh tensors) or
+    ``"to"`` (``.to(torch.float64)``, ``.to(torch.float32)``, then changed in place). The
+    compiled graphs were traced on the bucket's buffers before."""
+    model, eager = graphshard.shard(_model()), graphshard.shard(_model())
+    backend = graphshard.backend()
+    compiled = torch.compile(model, backend=backend)
+    torch.testing.assert_close(_train(model, compiled, steps=1), _train(eager, eager, steps=1),
+                               rtol=1e-5, atol=1e-5)
+    torch.manual_seed(1)
+    fresh = graphshard.shard(Llama(CFG)).state_dict()
+    for m in (model, eager):
+        if how == "assign":
+            m.load_state_dict({k: v.clone() for k, v in fresh.items()}, assign=True)
+        else:
+            m.to(torch.float64)
+            m.to(torch.float32)
+            m.load_state_dict(fresh)
+    return model, eager, compiled, backend
+
+
+def test_new_values_by_assignment_go_to_the_buffer_the_graphs_read(world2):
+    """``load_state_dict(assign=True)`` after a compiled step: each new local tensor of the
+    same dtype goes into its piece of the bucket's buffer, which is its local tensor again.
+    The graphs traced before run on the new values (no retrace) and match the eager model."""
+    model, eager, compiled, backend = _new_values_after_a_step("assign")
+    traced = len(backend.graphs)
+    torch.testing.assert_close(_train(model, compiled, steps=2), _train(eager, eager, steps=2),
+                               rtol=1e-5, atol=1e-5)
+    assert len(backend.graphs) == traced
+    assert all(_laid_out(entries) for entries in _buckets(model).values())
+
+
+def test_a_new_dtype_drops_the_buffer_and_the_next_trace_lays_it_out(world2):
+    """``.to(torch.float64)`` after a compiled step cannot go into the fp32 buffer: it is
+    dropped, which fails the old graphs' guards. Back in fp32 with new values, the retrace
+    lays every bucket out again, and training matches the eager model."""
+    model, eager, compiled, backend = _new_values_after_a_step("to")
+    assert not any(_laid_out(entries) for entries in _buckets(model).values())
+    traced = len(backend.graphs)
+    torch.testing.assert_close(_train(model, compiled, steps=2), _train(eager, eager, steps=2),
+                               rtol=1e-5, atol=1e-5)
+    assert len(backend.graphs) > traced
+    assert all(_laid_out(entries) for entries in _buckets(model).values())

@@ -25,11 +25,17 @@ through its DTensor), so a bucket with a frozen parameter is copied in, as befor
 
 The layout can be lost: ``to_empty()``, ``.to()``, ``load_state_dict(assign=True)`` give each
 parameter a new local tensor (a model sharded on the meta device has no memory to lay out
-yet). So before a trace reads a parameter, :func:`keep_stored` checks its bucket (each
-parameter's local tensor still the one laid out) and lays it out again (one copy of its
-shards). The parameters' plain tensors are re-made with it (:mod:`graphshard.api.local_inputs`)
-and the modules' buffer slots change, which fails Dynamo's guards on graphs traced before: no
-graph runs on a buffer its parameters no longer live in.
+yet). A graph traced before reads the bucket's buffer, not that tensor, and Dynamo's guards
+check a tensor's metadata, not its identity: left alone, it would go on gathering the old
+values. So :func:`follow_new_storage` (called by ``graphshard.safety.guards`` as soon as a
+parameter may hold new storage) copies a new local tensor of the same dtype, device and shape
+into the parameter's piece and makes the piece its local tensor again: the buffer holds the
+new values, and graphs traced before stay valid. A tensor that cannot go there (another dtype
+or device, ``.to(torch.float64)`` say) drops the buffer: the modules' buffer slots become
+None, which fails those graphs' guards, and before the next trace reads a parameter,
+:func:`keep_stored` lays the bucket out again (one copy of its shards). The parameters'
+plain tensors are re-made with it (:mod:`graphshard.api.local_inputs`). No graph runs on a
+buffer its parameters no longer live in.
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ from torch.utils.dlpack import from_dlpack
 from graphshard.passes.layout import Dim0Layout
 from graphshard.records import ShardedParam, ShardState
 
-__all__ = ["STORAGES_ATTR", "BucketStorage", "keep_stored", "place", "register_storage_slots",
-           "store_buckets"]
+__all__ = ["STORAGES_ATTR", "BucketStorage", "follow_new_storage", "keep_stored", "place",
+           "register_storage_slots", "store_buckets"]
 
 # On a sharded module: parameter name -> its bucket's flat buffer, or None. (Its place there
 # is fixed by ``shard()``: :func:`place`, which the reads take as a constant.)
@@ -110,6 +116,40 @@ def keep_stored(entry: ShardedParam, attach: Callable[[ShardedParam], None] | No
     if attach is not None:
         for e in group.entries:
             attach(e)
+
+
+def follow_new_storage(entry: ShardedParam) -> None:
+    """``entry``'s parameter may hold a new local tensor (``.to()``, ``to_empty()``, an
+    assigned replacement): keep its bucket's buffer true (module docstring). Its values go to
+    the parameter's piece, which is its local tensor again, where they fit there; otherwise
+    the buffer is dropped, to be laid out again by the next trace."""
+    group: BucketStorage | None = entry.storage_group
+    if group is None or group.flat is None:
+        return
+    index = group.entries.index(entry)
+    made, new = group.locals[index], _local(entry)
+    if new is made:
+        return
+    if _fits(new, made):
+        with torch.no_grad():
+            made.copy_(new)
+        entry.param._local_tensor = made
+        return
+    group.flat, group.locals = None, []
+    _publish(group)
+
+
+def _fits(new: Any, made: torch.Tensor) -> bool:
+    """Whether ``new`` can be copied into the piece ``made`` and replaced by it."""
+    return (
+        isinstance(new, torch.Tensor)
+        and not new.is_meta
+        and is_fake(new) == is_fake(made)
+        and new.dtype == made.dtype
+        and new.device == made.device
+        and new.shape == made.shape
+        and new.stride() == made.stride()
+    )
 
 
 def register_storage_slots(entry: ShardedParam, slots: dict, name: str) -> None:

@@ -65,7 +65,7 @@ from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.bucket_storage import keep_stored
+from graphshard.api.bucket_storage import follow_new_storage, keep_stored
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
@@ -258,4 +258,7 @@ def trains(index: int) -> bool:
     return bool(entry.param.requires_grad)
 
 
-on_new_storage(attach_local)  # .to(), to_empty(), accepted replacements (safety.guards)
+# .to(), to_empty(), accepted replacements (safety.guards): the bucket's buffer first, so that
+# the plain tensor is re-made from the parameter's piece of it
+on_new_storage(follow_new_storage)
+on_new_storage(attach_local)
