@@ -114,3 +114,26 @@ def test_a_deep_copy_of_a_sharded_model_says_how_to_get_one():
         twin = copy.deepcopy(plain)  # an unsharded model copies as before
         graphshard.shard(twin)
         assert type(plain).__name__ == "TwoBlock"
+
+
+class _Holder(nn.Module):
+    """A root without parameters of its own: ``share_memory()`` reaches the sharded modules
+    through ``_apply``'s recursion only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TwoBlock()
+
+
+@pytest.mark.parametrize("root", [TwoBlock, _Holder])
+def test_share_memory_of_a_sharded_model_is_refused_instead_of_crashing(root):
+    """torch's ``Tensor.share_memory_()`` of a DTensor kills the process (SIGSEGV, torch 2.11
+    to 2.14): the sharded modules refuse it first, from the root or from a submodule."""
+    with fake_process_group(2):
+        model = graphshard.shard(root())
+        sharded = model if root is TwoBlock else model.inner
+        for target in (model, sharded.blocks[0]):
+            with pytest.raises(ShardedModelError, match="StateDictOptions"):
+                target.share_memory()
+        plain = TwoBlock().share_memory()  # an unsharded model shares as before
+        assert all(p.is_shared() for p in plain.parameters())

@@ -112,6 +112,8 @@ def _guard_class(cls: type) -> None:
         super(cls, self).register_parameter(name, param)
 
     def _apply(self, fn, recurse: bool = True):
+        if _shares_memory(fn):
+            _refuse_share_memory(self)
         specs = self.__dict__.get("_graphshard_specs") or {}
         entries = {pname: entry for pname, (entry, _) in specs.items()}
         before = {pname: self._parameters[pname] for pname in entries}
@@ -142,6 +144,30 @@ def _refuse_deepcopy(module: nn.Module, memo: dict | None = None, name: str = ""
         "copy.deepcopy(model), then graphshard.shard() each), or shard a freshly built model "
         "and load this one's weights into it (an EMA model, say): set_model_state_dict(twin, "
         "get_model_state_dict(model)) from torch.distributed.checkpoint.state_dict."
+    )
+
+
+# What ``nn.Module.share_memory`` applies to every tensor (torch 2.11 to 2.14): a lambda of
+# that method, so the module whose ``_apply`` receives it (the model's root or a submodule,
+# reached by the recursion) can tell.
+_SHARE_MEMORY = "Module.share_memory.<locals>.<lambda>"
+
+
+def _shares_memory(fn: Any) -> bool:
+    return getattr(fn, "__qualname__", None) == _SHARE_MEMORY
+
+
+def _refuse_share_memory(module: nn.Module) -> None:
+    """``share_memory()`` reaching a sharded module: refused before any parameter is touched,
+    since ``Tensor.share_memory_()`` of a DTensor crashes the process."""
+    raise ShardedModelError(
+        f"share_memory() of a sharded model or module ({type(module).__name__}) is not "
+        "supported: torch's DTensor crashes the process (a segmentation fault) in "
+        "Tensor.share_memory_() (torch 2.11 to 2.14), and its parameters are shards that "
+        "belong to their ranks anyway. To hand the weights to other processes, share a plain "
+        "copy: load a full state dict (get_model_state_dict(model, options=StateDictOptions("
+        "full_state_dict=True)) from torch.distributed.checkpoint.state_dict) into an "
+        "unsharded model and call share_memory() on that."
     )
 
 
