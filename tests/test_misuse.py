@@ -137,3 +137,19 @@ def test_share_memory_of_a_sharded_model_is_refused_instead_of_crashing(root):
                 target.share_memory()
         plain = TwoBlock().share_memory()  # an unsharded model shares as before
         assert all(p.is_shared() for p in plain.parameters())
+
+
+def test_pickling_a_sharded_model_says_what_to_save_instead(tmp_path):
+    """``torch.save(model)`` pickles the module itself: refused with the state-dict recipes
+    (torch's own error named one of graphshard's forward hooks)."""
+    import pickle
+
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        for target in (model, model.blocks[0]):
+            with pytest.raises(ShardedModelError, match="get_model_state_dict"):
+                torch.save(target, tmp_path / "model.pt")
+            with pytest.raises(ShardedModelError, match="StateDictOptions"):
+                pickle.dumps(target)
+        torch.save(TwoBlock(), tmp_path / "plain.pt")  # an unsharded model pickles as before
+        torch.save(model.state_dict(), tmp_path / "state.pt")  # and the sharded state

@@ -43,6 +43,7 @@ from graphshard.api.forward_methods import mark_forward_hook
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
+from graphshard.safety.guards import refuse_copies
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
 
 __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
@@ -205,8 +206,9 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _region_class(cls: type) -> type:
-    attrs = {"forward": region_forward}
-    return type(cls.__name__, (cls,), attrs)
+    region_class = type(cls.__name__, (cls,), {"forward": region_forward})
+    refuse_copies(region_class)  # a block of a sharded model, like its sharded modules
+    return region_class
 
 
 def _servable(block: nn.Module) -> bool:

@@ -42,7 +42,8 @@ from graphshard.errors import ShardedModelError
 from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = [
-    "collect_originals", "after_shard", "on_new_storage", "refuse_unsharded_parameters",
+    "collect_originals", "after_shard", "on_new_storage", "refuse_copies",
+    "refuse_unsharded_parameters",
     "ShardedModelError",
 ]
 
@@ -62,6 +63,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
     module.register_load_state_dict_pre_hook(_PlainTensorRefusal(state, type(module).__name__))
+    _first_in_dict(module, _COPY_REFUSAL_ATTR, _CopyRefusal(type(module).__name__))
     _STATES.append(weakref.ref(state))
     check_shard_plan(state)
     check_shard_values(state, originals)
@@ -129,8 +131,15 @@ def _guard_class(cls: type) -> None:
     cls.__delattr__ = __delattr__
     cls.register_parameter = register_parameter
     cls._apply = _apply
-    cls.__deepcopy__ = _refuse_deepcopy
+    refuse_copies(cls)
     cls._graphshard_guarded = True
+
+
+def refuse_copies(cls: type) -> None:
+    """Make ``copy.deepcopy``, ``pickle`` and ``torch.save`` of instances of ``cls`` (a class
+    of sharded modules only) raise with what to do instead."""
+    cls.__deepcopy__ = _refuse_deepcopy
+    cls.__reduce_ex__ = _refuse_pickle
 
 
 def _refuse_deepcopy(module: nn.Module, memo: dict | None = None, name: str = "") -> None:
@@ -144,6 +153,21 @@ def _refuse_deepcopy(module: nn.Module, memo: dict | None = None, name: str = ""
         "copy.deepcopy(model), then graphshard.shard() each), or shard a freshly built model "
         "and load this one's weights into it (an EMA model, say): set_model_state_dict(twin, "
         "get_model_state_dict(model)) from torch.distributed.checkpoint.state_dict."
+    )
+
+
+def _refuse_pickle(module: nn.Module, protocol: int = 2, name: str = "") -> None:
+    """``torch.save(model)`` (pickling the module, not its state dict): the per-instance
+    classes, the hooks and the process group it is bound to cannot be pickled, and torch's
+    own error names one of graphshard's hooks; this one says what to save instead."""
+    raise ShardedModelError(
+        f"torch.save or pickle of a sharded model or module ({name or type(module).__name__}) "
+        "is not "
+        "supported: it is bound to its process group and graphshard's state for the model. "
+        "Save its state instead: torch.distributed.checkpoint.save(get_model_state_dict(model), "
+        "...) for sharded checkpoints, or a full state dict (get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))) saved with "
+        "torch.save on rank 0; rebuild the model, shard() it and load the state into it."
     )
 
 
@@ -231,6 +255,34 @@ class _PlainTensorRefusal:
 
     def __deepcopy__(self, memo: dict) -> None:
         _refuse_deepcopy(self, memo, self.root_class)
+
+
+_COPY_REFUSAL_ATTR = "_graphshard_copy_refusal"
+
+
+class _CopyRefusal:
+    """First in the root's instance dict: what ``pickle`` (``torch.save(model)``) and
+    ``copy.deepcopy`` reach first in a root whose class is its own (one without sharded
+    parameters of its own, such as a Hugging Face ``...ForCausalLM``), so that they refuse
+    with what to do instead of failing on one of graphshard's hooks."""
+
+    def __init__(self, root_class: str) -> None:
+        self.root_class = root_class
+
+    def __reduce_ex__(self, protocol: int) -> None:
+        _refuse_pickle(self, protocol, self.root_class)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        _refuse_deepcopy(self, memo, self.root_class)
+
+
+def _first_in_dict(module: nn.Module, name: str, value: Any) -> None:
+    """Set ``module.name = value`` as the first entry of its instance dict (the order in
+    which pickle and deepcopy visit it)."""
+    entries = dict(module.__dict__)
+    module.__dict__.clear()
+    module.__dict__[name] = value
+    module.__dict__.update(entries)
 
 
 def _refuse_plain_tensors(state: Any, module, state_dict, prefix, *args: Any) -> None:
