@@ -161,3 +161,49 @@ def test_the_local_path_survives_to_empty_of_a_meta_built_model(fake2, spy):
     OPTIMIZERS["adamw"](plain).step()
     assert spy == {"local": 1, "dtensor": 0}
     assert all(torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), plain, strict=True))
+
+
+def test_an_ordinary_step_is_checked_without_the_per_tensor_loop(fake2, spy, monkeypatch):
+    """The step every training loop makes (lists of DTensors on their parameters' specs, the
+    step counts as 0-dim tensors) is served by the check that works list by list; the spec
+    lists it has compared are remembered, so the next step compares none."""
+    model = _sharded_with_grads(OddMLP)
+
+    def per_tensor(lists):
+        raise AssertionError("the ordinary step reached the per-tensor check")
+
+    compared = []
+    agree = fused_optimizer_ops._specs_agree
+    monkeypatch.setattr(fused_optimizer_ops, "_first_dtensors", per_tensor)
+    monkeypatch.setattr(fused_optimizer_ops, "_specs_agree",
+                        lambda *specs: compared.append(specs) or agree(*specs))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True, fused=True)
+    optimizer.step()
+    first = len(compared)
+    assert first > 0  # the moments' specs are objects of their own, compared once
+    optimizer.step()
+    assert spy == {"local": 2, "dtensor": 0}
+    assert len(compared) == first
+
+
+def test_a_step_on_a_list_of_another_spec_is_not_served_from_memory(fake2, spy):
+    """A moment whose spec no longer agrees with its parameter's (replicated here) sends the
+    step to DTensor's dispatch even after steps that ran locally with the same lists."""
+    model = _sharded_with_grads(OddMLP)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    optimizer.step()
+    state = optimizer.state[next(iter(model.parameters()))]
+    state["exp_avg"] = state["exp_avg"].redistribute(state["exp_avg"].device_mesh, [Replicate()])
+    assert fused_optimizer_ops._localized_uniform(*_fused_call(optimizer)) is None
+    assert fused_optimizer_ops._localized(*_fused_call(optimizer)) is None
+
+
+def _fused_call(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
+    """The arguments AdamW's fused step passes ``_fused_adamw_`` for ``optimizer``'s group."""
+    group = optimizer.param_groups[0]
+    params = [p for p in group["params"] if p.grad is not None]
+    states = [optimizer.state[p] for p in params]
+    args = (params, [p.grad for p in params], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states])
+    return args, {"lr": group["lr"], "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                  "eps": 1e-8, "amsgrad": False, "maximize": False}

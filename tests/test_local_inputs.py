@@ -104,6 +104,31 @@ def test_a_compiled_backward_sets_the_gradients_without_dtensor_ops(one_rank):
     _assert_grads_match(model, eager)
 
 
+@pytest.mark.skipif(DTensor.__new__ is not getattr(torch.Tensor, "_dtensor__new__", None),
+                    reason="DTensor's constructor is a Python one before torch 2.13")
+def test_gradients_are_made_without_dtensors_python_init(one_rank, monkeypatch):
+    """The backward makes each new ``.grad`` with DTensor's C++ constructor alone (its
+    ``__init__`` does nothing but run three Python wrappers): the same object
+    ``DTensor(grad, spec, requires_grad=False)`` makes, on the parameter's own spec."""
+    model, run, eager = _pair()
+    _backward(run, _batch(0))
+    model.zero_grad(set_to_none=True)
+    inits = []
+    init = DTensor.__init__
+    monkeypatch.setattr(DTensor, "__init__", lambda self, *a, **k: inits.append(1) or init(
+        self, *a, **k))
+    _backward(run, _batch(1))
+    assert inits == []
+    for p in model.parameters():
+        reference = DTensor(p.grad._local_tensor, p._spec, requires_grad=False)
+        assert type(p.grad) is DTensor and p.grad._spec is p._spec
+        assert not p.grad.requires_grad and p.grad.stride() == reference.stride()
+        assert p.grad.shape == reference.shape and p.grad.dtype == reference.dtype
+    assert len(inits) == len(list(model.parameters()))  # the check's own references
+    _backward(eager, _batch(1))
+    _assert_grads_match(model, eager)
+
+
 def test_autograd_grad_and_backward_inputs_reach_the_parameters(one_rank):
     """``torch.autograd.grad(loss, params)`` and ``loss.backward(inputs=params)`` on the
     compiled model give the eager model's gradients (the plain tensors stay linked to the

@@ -30,6 +30,7 @@ its native fast path already serves them, faster than a Python handler.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -116,6 +117,9 @@ def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
     if not args or not isinstance(args[0], (list, tuple)) or not _SHARD_IDS.issuperset(
             map(id, args[0])):
         return None
+    uniform = _localized_uniform(args, kwargs)
+    if uniform is not None:
+        return uniform
     lists: list[list | tuple] = []
     mesh = None
     local_args: list[Any] = []
@@ -138,6 +142,85 @@ def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
 
 
 _REFUSED = object()
+
+_spec_of = operator.attrgetter("_spec")
+_local_of = operator.attrgetter("_local_tensor")
+# Lists of specs already found to agree, position by position, with a parameter list's
+# (``_specs_agree``), keyed by both lists' spec ids. The entries hold the specs themselves,
+# so no id here is reused while its entry lives; bounded by clearing.
+_AGREED: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[list, list]] = {}
+_AGREED_MAX = 256
+_PLAIN = {torch.Tensor}
+
+
+def _localized_uniform(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
+    """:func:`_localized` for the call every optimizer step makes, with the per-tensor work
+    out of Python loops: every list all DTensors (each position's spec agreeing with its
+    parameter's, checked once per list of spec objects) or all plain 0-dim tensors, and no
+    other tensor argument but 0-dim plain ones. None for anything else, which the general
+    check then decides (about 0.26 ms a step against 0.04 here at 147 parameters)."""
+    try:
+        specs = list(map(_spec_of, args[0]))
+        local_params = list(map(_local_of, args[0]))
+    except AttributeError:
+        return None
+    param_ids = tuple(map(id, specs))
+    if (param_ids, param_ids) not in _AGREED:
+        if any(p.is_partial() for spec in specs for p in spec.placements):
+            return None
+        _remember(param_ids, param_ids, specs, specs)
+    local_args: list[Any] = [local_params]
+    for arg in args[1:]:
+        value = _uniform_value(arg, specs, param_ids)
+        if value is _REFUSED:
+            return None
+        local_args.append(value)
+    local_kwargs = {}
+    for key, arg in kwargs.items():
+        value = _uniform_value(arg, specs, param_ids)
+        if value is _REFUSED:
+            return None
+        local_kwargs[key] = value
+    return local_args, local_kwargs
+
+
+def _uniform_value(arg: Any, specs: list, param_ids: tuple[int, ...]) -> Any:
+    if isinstance(arg, (list, tuple)):
+        if not arg:
+            return arg
+        if len(arg) != len(specs):
+            return _REFUSED
+        try:
+            locals_ = list(map(_local_of, arg))
+        except AttributeError:  # plain tensors (the step counts): 0-dim ones only
+            if set(map(type, arg)) != _PLAIN or any(map(torch.Tensor.dim, arg)):
+                return _REFUSED
+            return list(arg)
+        arg_specs = list(map(_spec_of, arg))
+        ids = tuple(map(id, arg_specs))
+        if ids != param_ids and (ids, param_ids) not in _AGREED:
+            if not all(map(_specs_agree, arg_specs, specs)):
+                return _REFUSED
+            _remember(ids, param_ids, arg_specs, specs)
+        return locals_
+    if isinstance(arg, DTensor) or (isinstance(arg, torch.Tensor) and arg.dim() != 0):
+        return _REFUSED  # a 0-dim DTensor's mesh is the general check's to compare
+    return arg
+
+
+def _specs_agree(spec: Any, param_spec: Any) -> bool:
+    """Whether a DTensor on ``spec`` is updated elementwise in step with a parameter on
+    ``param_spec``: the same mesh, placements and global shape."""
+    return spec is param_spec or (
+        spec.mesh is param_spec.mesh and spec.placements == param_spec.placements
+        and spec.tensor_meta.shape == param_spec.tensor_meta.shape)
+
+
+def _remember(ids: tuple[int, ...], param_ids: tuple[int, ...], specs: list,
+              param_specs: list) -> None:
+    if len(_AGREED) >= _AGREED_MAX:
+        _AGREED.clear()
+    _AGREED[ids, param_ids] = (specs, param_specs)
 
 
 def _local_value(arg: Any, lists: list, mesh: Any) -> tuple[Any, Any]:
