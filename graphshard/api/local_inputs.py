@@ -246,10 +246,10 @@ def _accumulate(param: DTensor, spec: Any, grad: torch.Tensor, accumulator: Any)
     return False
 
 
-# DTensor's constructor where it is the C++ one (torch 2.13 and later): called as
+# DTensor's constructor where it is the C++ one (torch 2.11 to 2.14.1): called as
 # ``DTensor(...)`` it also runs ``DTensor.__init__``, which does nothing but costs three
 # Python wrappers (Dynamo's and export's), about 2.8 us a call here: 0.4 ms a step at 147
-# parameters. Elsewhere (torch 2.11) the class itself.
+# parameters. Were a release to make it Python again, the class itself.
 _CPP_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
 _DTENSOR_NEW = _CPP_NEW if _CPP_NEW is not None and DTensor.__new__ is _CPP_NEW else None
 
