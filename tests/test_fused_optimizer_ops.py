@@ -207,3 +207,16 @@ def _fused_call(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
             [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states])
     return args, {"lr": group["lr"], "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
                   "eps": 1e-8, "amsgrad": False, "maximize": False}
+
+
+def test_the_remembered_spec_lists_go_with_their_model(fake2):
+    """The lists of specs found to agree hold the specs (and their mesh) alive; they are
+    dropped when the sharded model is garbage."""
+    import gc
+
+    model = _sharded_with_grads(OddMLP)
+    torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
+    assert fused_optimizer_ops._AGREED
+    del model
+    gc.collect()
+    assert not fused_optimizer_ops._AGREED

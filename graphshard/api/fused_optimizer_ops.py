@@ -80,13 +80,20 @@ def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]
     ids = {id(param) for param in params}
     with _lock:
         _SHARD_IDS.update(ids)
-        weakref.finalize(root, _SHARD_IDS.difference_update, ids)
+        weakref.finalize(root, _forget, ids)
         if _installed:
             return
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for op in LOCAL_OPS:
             handlers.setdefault(op, _local_or_default)
         _installed = True
+
+
+def _forget(ids: set[int]) -> None:
+    """A sharded model is garbage: its parameters' ids, and every remembered list of specs
+    (which holds its specs, and through them its mesh), go."""
+    _SHARD_IDS.difference_update(ids)
+    _AGREED.clear()
 
 
 @contextlib.contextmanager
