@@ -165,7 +165,7 @@ def _localized_uniform(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
     out of Python loops: every list all DTensors (each position's spec agreeing with its
     parameter's, checked once per list of spec objects) or all plain 0-dim tensors, and no
     other tensor argument but 0-dim plain ones. None for anything else, which the general
-    check then decides (about 0.26 ms a step against 0.04 here at 147 parameters)."""
+    check then decides (about 0.26 ms a step against 0.07 here at 147 parameters)."""
     try:
         specs = list(map(_spec_of, args[0]))
         local_params = list(map(_local_of, args[0]))
@@ -268,11 +268,7 @@ def _first_dtensors(lists: list) -> list | None:
                         return None
                     firsts[position] = tensor
                     continue
-                spec, first_spec = tensor._spec, first._spec
-                if spec is not first_spec and (
-                        spec.mesh is not first_spec.mesh
-                        or spec.placements != first_spec.placements
-                        or tensor.shape != first.shape):
+                if not _specs_agree(tensor._spec, first._spec):
                     return None
             elif isinstance(tensor, torch.Tensor) and tensor.dim() != 0:
                 return None
