@@ -104,10 +104,9 @@ def test_a_compiled_backward_sets_the_gradients_without_dtensor_ops(one_rank):
     _assert_grads_match(model, eager)
 
 
-def test_gradients_are_made_without_dtensors_python_init(one_rank, monkeypatch):
-    """The backward makes each new ``.grad`` with DTensor's C++ constructor alone (its
-    ``__init__`` does nothing but run three Python wrappers): the same object
-    ``DTensor(grad, spec, requires_grad=False)`` makes, on the parameter's own spec."""
+def _second_backward_counting_inits(monkeypatch):
+    """The pair's compiled model after a second backward (new ``.grad`` tensors), with the
+    calls of ``DTensor.__init__`` that backward made."""
     model, run, eager = _pair()
     _backward(run, _batch(0))
     model.zero_grad(set_to_none=True)
@@ -116,6 +115,14 @@ def test_gradients_are_made_without_dtensors_python_init(one_rank, monkeypatch):
     monkeypatch.setattr(DTensor, "__init__", lambda self, *a, **k: inits.append(1) or init(
         self, *a, **k))
     _backward(run, _batch(1))
+    return model, eager, inits
+
+
+def test_gradients_are_made_without_dtensors_python_init(one_rank, monkeypatch):
+    """The backward makes each new ``.grad`` with DTensor's C++ constructor alone (its
+    ``__init__`` does nothing but run three Python wrappers): the same object
+    ``DTensor(grad, spec, requires_grad=False)`` makes, on the parameter's own spec."""
+    model, eager, inits = _second_backward_counting_inits(monkeypatch)
     assert inits == []
     for p in model.parameters():
         reference = DTensor(p.grad._local_tensor, p._spec, requires_grad=False)
@@ -134,14 +141,7 @@ def test_without_the_cpp_constructor_gradients_come_from_the_class(one_rank, mon
     from graphshard.api import local_inputs
 
     monkeypatch.setattr(local_inputs, "_DTENSOR_NEW", None)
-    model, run, eager = _pair()
-    _backward(run, _batch(0))
-    model.zero_grad(set_to_none=True)
-    inits = []
-    init = DTensor.__init__
-    monkeypatch.setattr(DTensor, "__init__", lambda self, *a, **k: inits.append(1) or init(
-        self, *a, **k))
-    _backward(run, _batch(1))
+    model, eager, inits = _second_backward_counting_inits(monkeypatch)
     assert len(inits) == len(list(model.parameters()))  # one constructor call per gradient
     assert all(p.grad._spec is p._spec for p in model.parameters())
     _backward(eager, _batch(1))
