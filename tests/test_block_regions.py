@@ -359,15 +359,14 @@ def test_what_shard_fixed_is_not_guarded_field_by_field(fake2):
     lines = _guard_lines(model)
     assert not [line for line in lines if "_graphshard_specs'][" in line and "][1]" in line]
     assert not [line for line in lines if "named_modules" in line]
-    # What remains per parameter: its DTensor's guards and its module's hooks; a parameter
-    # outside the blocks also its spec's index and no_sync state, and its bucket's buffer
-    # (api.bucket_storage). For this model: 27.2 on torch 2.13 (36.8 when each block
-    # parameter was read through its attribute, 67 when every field was guarded); torch 2.11
-    # guards each hook dict too: 38.4 (44.2).
-    from graphshard._torch_version import installed_torch_version
-
+    # What remains per parameter: its DTensor's guards and its module's own forward
+    # (api.forward_depth); a parameter outside the blocks also its spec's index and no_sync
+    # state, and its bucket's buffer (api.bucket_storage). For this model: 21.2 on torch
+    # 2.13, 21.5 on 2.11, 22.3 on 2.14.1 (27.2 and 38.4 with graphshard's hooks on every
+    # submodule, 36.8 on 2.13 when each block parameter was read through its attribute, 67
+    # when every field was guarded).
     n_params = sum(1 for _ in model.parameters())
-    assert len(lines) < (32 if installed_torch_version() >= (2, 13) else 40) * n_params
+    assert len(lines) < 24 * n_params
 
 
 def _skipped_guard_subtrees(model: nn.Module) -> set[str]:
@@ -396,7 +395,10 @@ def test_dynamo_skips_a_sharded_blocks_guards_as_a_plain_ones(fake2, sharded):
     step took 1.6-2.2 ms on an H100 with sharded modules it could not skip, 0.1 ms without).
     It can skip only a module whose class attributes it read are functions or constants (no
     property per parameter) and whose dicts no step changes (no region bookkeeping written
-    at every call): every sharded block is skipped as the plain block is."""
+    at every call): every sharded block is skipped as the plain block is. So it stays after
+    a later compile of anything else: each such trace bumps the version of nn.Module's class
+    dict (torch.fx patches and restores its methods), and torch 2.11 then stopped skipping
+    every module that carried graphshard's hooks, for good."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48, max_seq_len=8))
     backend = "eager"
@@ -407,10 +409,14 @@ def test_dynamo_skips_a_sharded_blocks_guards_as_a_plain_ones(fake2, sharded):
         compiled = torch.compile(model, backend=backend)
         for _ in range(3):
             compiled(tokens, tokens).loss.backward()
-    skipped = _skipped_guard_subtrees(model)
-    for i in range(3):  # a block, or a module holding it, is skipped
-        block = f"L['self']._modules['layers']._modules['{i}']"
-        assert any(block.startswith(root) for root in skipped), (block, skipped)
+        first = _skipped_guard_subtrees(model)
+        torch.compile(lambda a: a * 2 + 1, backend="aot_eager")(torch.randn(3))
+        compiled(tokens, tokens).loss.backward()
+        then = _skipped_guard_subtrees(model)
+    for skipped in (first, then):
+        for i in range(3):  # a block, or a module holding it, is skipped
+            block = f"L['self']._modules['layers']._modules['{i}']"
+            assert any(block.startswith(root) for root in skipped), (block, skipped)
 
 
 def test_the_model_state_is_one_object_to_dynamo_and_another_shard_keeps_the_graph(fake2):
@@ -453,8 +459,8 @@ class _ScaledBlock(nn.Module):
 
 
 def test_a_registered_method_of_a_block_submodule_still_gathers(one_rank):
-    """The depth hooks of a block's submodules still run eagerly, also for a method that
-    register_forward_method made a forward."""
+    """A block's submodules still count their forwards eagerly (api.forward_depth), also in
+    a method that register_forward_method made a forward."""
     torch.manual_seed(0)
     reference = nn.Sequential(_ScaledBlock(), _ScaledBlock())
     model = graphshard.shard(copy.deepcopy(reference))

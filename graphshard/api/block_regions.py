@@ -34,20 +34,22 @@ import inspect
 from typing import Any
 
 import torch
-import torch._dynamo.side_effects
-import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.bucket_storage import place as storage_place
-from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.forward_depth import (
+    DEPTH_HOOK_ATTR,
+    forward_in_place_of,
+    mark_forward_hook,
+    unchecked_side_effect,
+)
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
 from graphshard.safety.guards import refuse_copies
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
 
-__all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "REGION_PARAMS_ATTR",
-           "install_block_regions", "region_forward", "unchecked_side_effect"]
+__all__ = ["REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
 REGION_PARAMS_ATTR = "_graphshard_region_params"
@@ -55,8 +57,6 @@ REGION_PARAMS_ATTR = "_graphshard_region_params"
 # Dynamo's tags cover, where an attribute of the class read through it would be guarded at
 # every step).
 _BLOCK_FORWARD = "_graphshard_block_forward"
-# On graphshard's hooks that count running forwards (which decides whether a read gathers).
-DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
 # More than any model has blocks: Dynamo raises when a region's reuse entries exceed this.
 _MAX_REUSE_ENTRIES = 1 << 20
 
@@ -95,24 +95,6 @@ def _set_region_params(owners: list[nn.Module], gathered: list[dict]) -> None:
 def _clear_region_params(owners: list[nn.Module]) -> None:
     for module in owners:  # back to the value it always holds outside a region
         object.__setattr__(module, REGION_PARAMS_ATTR, None)
-
-
-# torch 2.13's Dynamo defers its checks of side effects in a higher-order op's body (and
-# accepts a change undone before the body exits); 2.11's does not.
-DEFERS_SIDE_EFFECT_CHECKS = hasattr(torch._dynamo.side_effects.SideEffects,
-                                    "defer_side_effect_checks")
-
-
-def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
-
-
-# Dynamo refuses a change to an outside object inside a higher-order op's body ("HOP: Unsafe
-# side effect"), e.g. a block called inside a ``torch.utils.checkpoint`` body. The region's
-# parameters are set and removed again before the body exits; this hatch lets Dynamo accept
-# that (eagerly it is a plain call).
-unchecked_side_effect = getattr(
-    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
 
 
 # What gathering a block's parameters reads, fixed by ``shard()``: its model's index into
@@ -206,7 +188,8 @@ def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _region_class(cls: type) -> type:
-    region_class = type(cls.__name__, (cls,), {"forward": region_forward})
+    region_class = type(cls.__name__, (cls,),
+                        {"forward": forward_in_place_of(region_forward, cls.forward)})
     refuse_copies(region_class)  # a block of a sharded model, like its sharded modules
     return region_class
 
@@ -282,9 +265,11 @@ def _count_depth_eagerly_inside(block: nn.Module) -> None:
     Inside a region every parameter read returns its operand, so the forward-depth count of
     the block's submodules is not needed while compiling, and its state change would make the
     body ineligible for Dynamo's reuse (a body with side effects is traced again at every
-    call). Their counting hooks are skipped under tracing (the block's own hooks run outside
-    the region and still count; eagerly nothing changes), and they sit under the same keys in
-    every block: Dynamo guards a hook's key, and a handle's key differs from block to block."""
+    call). Most submodules count in their class's ``forward``, which counts nothing while
+    Dynamo traces (:mod:`graphshard.api.forward_depth`); one whose ``forward`` is an
+    instance attribute counts with hooks. Those are skipped under tracing (eagerly nothing
+    changes), and they sit under the same keys in every block: Dynamo guards a hook's key,
+    and a handle's key differs from block to block."""
     for sub in block.modules():
         if sub is not block:
             _rekey_depth_hooks(sub._forward_pre_hooks, _PRE_HOOK_KEY)

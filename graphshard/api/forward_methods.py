@@ -1,13 +1,14 @@
 """Methods other than ``forward`` that run as a forward: :func:`register_forward_method`.
 
 A sharded model gathers its parameters inside a forward: between the forward pre-hook and
-forward hook graphshard installs on the root and on every submodule holding parameters
-(:mod:`graphshard.api.sharding`). A method called directly (``model.encode(x)``, ``generate``)
-passes no hook, so it reads the sharded DTensor parameters and DTensor refuses the plain
-input ("got mixed torch.Tensor and DTensor"). :func:`register_forward_method` wraps such a
-method so that it runs between the module's graphshard hooks, as a forward does (FSDP2's
-``register_fsdp_forward_method``): the parameters gather, the root's mixed-precision casts
-and ``no_sync``'s folding apply, eagerly and under ``torch.compile``.
+forward hook graphshard installs on the root, or inside the ``forward`` of a submodule
+holding parameters (:mod:`graphshard.api.forward_depth`). A method called directly
+(``model.encode(x)``, ``generate``) is neither, so it reads the sharded DTensor parameters
+and DTensor refuses the plain input ("got mixed torch.Tensor and DTensor").
+:func:`register_forward_method` wraps such a method so that it runs as a forward does
+(FSDP2's ``register_fsdp_forward_method``): between the root's graphshard hooks, or counted
+as a submodule's forward is. The parameters gather, the root's mixed-precision casts and
+``no_sync``'s folding apply, eagerly and under ``torch.compile``.
 
 DTensor's own error for an unregistered method is not rewritten: torch raises it from
 DTensor's C++ dispatch fast path, which graphshard could only intercept by wrapping every
@@ -17,26 +18,18 @@ DTensor operation (the hot path of a tensor-parallel forward).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from graphshard.api.forward_depth import counted_call, counts_in_class, is_graphshard_hook
 from graphshard.errors import GraphshardValueError
 from graphshard.records import STATE_ATTR
 
-__all__ = ["register_forward_method", "mark_forward_hook"]
+__all__ = ["register_forward_method"]
 
-_HOOK_ATTR = "_graphshard_forward_hook"
 _METHOD_ATTR = "_graphshard_forward_method"
-_Hook = TypeVar("_Hook", bound=Callable[..., Any])
-
-
-def mark_forward_hook(hook: _Hook) -> _Hook:
-    """Mark a forward (pre-)hook that graphshard installs: a registered method runs it too."""
-    setattr(hook, _HOOK_ATTR, True)
-    return hook
 
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:
@@ -89,6 +82,10 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if state.forward_depth > 0:  # inside a forward already: its hooks have run
             return method(*args, **kwargs)
+        if counts_in_class(module):  # a submodule: no hooks, counted as its forward is
+            if torch.compiler.is_compiling():
+                return method(*args, **kwargs)
+            return counted_call(state, method, *args, **kwargs)
         args, kwargs = _pre_hooks(module, args, kwargs)
         if torch.compiler.is_compiling():  # as nn.Module does: no unwinding while tracing
             return _post_hooks(module, args, kwargs, method(*args, **kwargs))
@@ -96,7 +93,7 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
             output = method(*args, **kwargs)
         except BaseException:
             for key, hook in module._forward_hooks.items():  # the forward count unwinds
-                if key in module._forward_hooks_always_called and _is_ours(hook):
+                if key in module._forward_hooks_always_called and is_graphshard_hook(hook):
                     hook(module, args, None)
             raise
         return _post_hooks(module, args, kwargs, output)
@@ -105,14 +102,10 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
-def _is_ours(hook: Any) -> bool:
-    return getattr(hook, _HOOK_ATTR, False)
-
-
 def _pre_hooks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """graphshard's forward pre-hooks of ``module``, in order, as ``nn.Module`` runs them."""
     for key, hook in module._forward_pre_hooks.items():
-        if not _is_ours(hook):
+        if not is_graphshard_hook(hook):
             continue
         if key in module._forward_pre_hooks_with_kwargs:
             result = hook(module, args, kwargs)
@@ -128,7 +121,7 @@ def _pre_hooks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
 def _post_hooks(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     """graphshard's forward hooks of ``module``, in order, as ``nn.Module`` runs them."""
     for key, hook in module._forward_hooks.items():
-        if not _is_ours(hook):
+        if not is_graphshard_hook(hook):
             continue
         if key in module._forward_hooks_with_kwargs:
             result = hook(module, args, kwargs, output)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.forward_depth import mark_forward_hook
 from graphshard.api.sharding import shard_state
 from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.layout import Dim0Layout

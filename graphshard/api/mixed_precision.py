@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.forward_depth import mark_forward_hook
 from graphshard.errors import GraphshardTypeError
 
 __all__ = ["MixedPrecision"]

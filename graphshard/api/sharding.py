@@ -12,9 +12,9 @@ Attribute access (``self.weight``) goes through a per-instance subclass whose
 forward (so a module's ``reset_parameters()`` initialises the shards) and
 ``unshard(param.to_local())`` inside it: eagerly that all-gathers, and under
 ``torch.compile`` it leaves a marker node that the passes lower into bucketed collectives
-(:mod:`graphshard.api.param_reads`). Inside means: between the forward pre-hook and forward
-hook of the sharded root or any of its submodules, in a backward (activation checkpointing
-recomputes there), or while Dynamo traces.
+(:mod:`graphshard.api.param_reads`). Inside means: in a forward of the sharded root or of any
+of its submodules (counted by :mod:`graphshard.api.forward_depth`), in a backward
+(activation checkpointing recomputes there), or while Dynamo traces.
 
 A model built on the meta device shards without allocating: each local tensor is a meta
 tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only those.
@@ -22,9 +22,8 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -34,14 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F401  (kernels)
-from graphshard.api.block_regions import (
-    DEFERS_SIDE_EFFECT_CHECKS,
-    DEPTH_HOOK_ATTR,
-    install_block_regions,
-    unchecked_side_effect,
-)
+from graphshard.api.block_regions import install_block_regions
 from graphshard.api.bucket_storage import store_buckets
-from graphshard.api.forward_methods import mark_forward_hook
+from graphshard.api.forward_depth import track_forwards
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
 from graphshard.api.local_inputs import register_locals
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
@@ -63,8 +57,6 @@ from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import GradSync, UnshardSpec, reshard_code
 from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
-from graphshard.safety.mutation import end_eager_reads
-from graphshard.safety.rank_agreement import check_same_forward
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
@@ -122,56 +114,6 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     if backend in ("gloo", "fake") or torch.accelerator.current_accelerator() is None:
         return torch.device("cpu")
     return torch.accelerator.current_accelerator()
-
-
-def _add_forward_depth(state: ShardState, step: int) -> None:
-    state.forward_depth += step
-
-
-def _count_forward(state: ShardState, step: int) -> None:
-    """Change the count of running forwards. It goes up and back down inside every module
-    call, also inside a ``torch.utils.checkpoint`` body. Dynamo from torch 2.13 defers its
-    check of such a body's side effects and accepts one undone before the body exits; torch
-    2.11's refuses any mutation of an outside object there ("HOP: Unsafe side effect"), and
-    the checkpointed block would fall back to eager. There the change goes through Dynamo's
-    hatch that allows it (eagerly, a plain call)."""
-    if DEFERS_SIDE_EFFECT_CHECKS:
-        state.forward_depth += step
-    else:
-        unchecked_side_effect(_add_forward_depth, state, step)
-
-
-def _enter_forward(state: ShardState):
-    @mark_forward_hook
-    def hook(module: nn.Module, args: Any) -> None:
-        _count_forward(state, 1)
-
-    setattr(hook, DEPTH_HOOK_ATTR, True)
-    return hook
-
-
-def _exit_forward(state: ShardState):
-    @mark_forward_hook
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        _count_forward(state, -1)
-        if state.forward_depth == 0 and state.eager_reads:
-            if sys.exc_info()[1] is not None:  # unwinding an error: only forget the reads
-                state.eager_reads = []
-                return
-            check_same_forward(state, end_eager_reads(state))
-
-    setattr(hook, DEPTH_HOOK_ATTR, True)
-    return hook
-
-
-def _track_forwards(module: nn.Module, state: ShardState) -> None:
-    """Count running forwards of ``module`` and every submodule holding parameters, so
-    attribute reads inside them gather (``always_call``: an exception unwinds the count)."""
-    enter, leave = _enter_forward(state), _exit_forward(state)
-    for sub in module.modules():
-        if sub is module or next(sub.parameters(), None) is not None:
-            sub.register_forward_pre_hook(enter)
-            sub.register_forward_hook(leave, always_call=True)
 
 
 def _main_block_list(module: nn.Module) -> nn.Module | None:
@@ -530,7 +472,7 @@ def shard(
     buffers_to_device(module, mesh.device_type)
     if offload is not None:
         keep_buffers_on_device(module, mesh.device_type)
-    _track_forwards(module, state)
+    track_forwards(module, state)
     if compile_blocks_once:
         install_block_regions(_main_block_list(module), state_index)
     step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
