@@ -54,9 +54,10 @@ class ShardedParam:
     local_slots: list[tuple[dict, str]] = field(default_factory=list, repr=False, compare=False)
     # Its bucket's flat, padded buffer and the records laid out in it
     # (graphshard.api.bucket_storage.BucketStorage), or None; and where the owning modules
-    # hold that buffer (or None) for traced reads, kept equal by that module.
+    # (and served blocks) hold that buffer (or None) for traced reads, kept equal by that
+    # module: (dict, key) pairs.
     storage_group: Any = field(default=None, repr=False, compare=False)
-    storage_slots: list[tuple[dict, str]] = field(default_factory=list, repr=False,
+    storage_slots: list[tuple[dict, Any]] = field(default_factory=list, repr=False,
                                                   compare=False)
 
 

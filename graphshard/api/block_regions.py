@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from graphshard.api.bucket_storage import place as storage_place
+from graphshard.api.bucket_storage import register_storage_slots
 from graphshard.api.forward_depth import (
     DEPTH_HOOK_ATTR,
     forward_in_place_of,
@@ -100,11 +101,18 @@ def _clear_region_params(owners: list[nn.Module]) -> None:
 # What gathering a block's parameters reads, fixed by ``shard()``: its model's index into
 # ``ROOT_STATES`` and, per submodule holding sharded parameters, (path from the block,
 # ((parameter name, its ``unshard`` arguments as a plain tuple, its record's index for
-# ``local_inputs.trains``, its place in its bucket's buffer: ``bucket_storage.place``), ...)).
-# A served block holds the index of its entry.
-_Reads = tuple[int, tuple[tuple[tuple[str, ...], tuple[tuple[str, tuple, int, int], ...]], ...]]
+# ``local_inputs.trains``, its place in its bucket's buffer: ``bucket_storage.place``, its
+# bucket's index), ...)). A served block holds the index of its entry.
+_Reads = tuple[int, tuple[tuple[tuple[str, ...],
+                                tuple[tuple[str, tuple, int, int, int], ...]], ...]]
 _BLOCK_READS: list[_Reads] = []
 _READS_ATTR = "_graphshard_block_reads"
+# On a served block: bucket index -> the bucket's flat buffer (or None), for every bucket its
+# parameters are in (``bucket_storage``). The block's reads take the buffer from here, one
+# place per bucket: read from each submodule's own dict, the one buffer would reach Dynamo
+# through several sources, and torch 2.14 marks a tensor guarded through several sources
+# (an aliasing guard) as not skippable, and with it the block.
+_STORAGES_ATTR = "_graphshard_block_storages"
 
 
 def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict, dict], ...]:
@@ -115,7 +123,7 @@ def _param_layout(block: nn.Module) -> tuple[tuple[tuple[str, ...], dict, dict],
 
 def _register_reads(state_index: int, layout: tuple) -> int:
     reads = (state_index, tuple((path, tuple((name, tuple(spec), local[name],
-                                              storage_place(entry))
+                                              storage_place(entry), entry.bucket)
                                              for name, (entry, spec) in specs.items()))
                                 for path, specs, local in layout))
     _BLOCK_READS.append(reads)
@@ -139,6 +147,7 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
     through the attribute, which routes the gradient. (One loop, no helper calls: Dynamo
     traces this for every block.)"""
     state_index, owner_reads = _block_reads(block._graphshard_block_reads)
+    storages = block._graphshard_block_storages
     state = ROOT_STATES[state_index]
     plain = state.sync == GradSync.FULL and not state.folds_held_back
     owners, gathered, flat = [], [], []
@@ -147,12 +156,12 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
         for name in path:
             sub = getattr(sub, name)
         params = {}
-        for name, spec, local, place in reads:
+        for name, spec, local, place, bucket in reads:
             if plain:
                 stored = None
                 if trains(local):  # a plain tensor in place of the DTensor (api.local_inputs)
                     shard = sub._graphshard_locals[name]
-                    stored = sub._graphshard_storages[name]  # api.bucket_storage, or None
+                    stored = storages[bucket]  # api.bucket_storage, or None
                 else:
                     shard = sub._parameters[name].to_local()
                 if shard.is_meta:  # the attribute raises the error that says what to do
@@ -293,6 +302,10 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
             block.__dict__[_BLOCK_FORWARD] = type(block).forward
             block.__class__ = _region_class(type(block))
             block.__dict__[_READS_ATTR] = _register_reads(state_index, layout)
+            storages = block.__dict__[_STORAGES_ATTR] = {}
+            for _, specs, _ in layout:
+                for entry, _ in specs.values():
+                    register_storage_slots(entry, storages, entry.bucket)
             _count_depth_eagerly_inside(block)
             served.append(block)
     return served

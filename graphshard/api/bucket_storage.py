@@ -152,10 +152,11 @@ def _fits(new: Any, made: torch.Tensor) -> bool:
     )
 
 
-def register_storage_slots(entry: ShardedParam, slots: dict, name: str) -> None:
-    """``slots[name]`` (a module's :data:`STORAGES_ATTR` dict) follows ``entry``'s buffer."""
-    entry.storage_slots.append((slots, name))
-    slots[name] = _slot_value(entry)
+def register_storage_slots(entry: ShardedParam, slots: dict, key: Any) -> None:
+    """``slots[key]`` (a module's :data:`STORAGES_ATTR` dict under the parameter's name, or a
+    served block's dict under the bucket's index) follows ``entry``'s buffer."""
+    entry.storage_slots.append((slots, key))
+    slots[key] = _slot_value(entry)
 
 
 def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> bool:
