@@ -759,3 +759,20 @@ def test_gather_floor_times_real_gathers_alone_and_beside_compute():
     assert all(report[key] > 0 for key in ("gathers_ms", "compute_ms", "overlapped_ms"))
     assert report["hidden_ms"] == pytest.approx(
         report["gathers_ms"] + report["compute_ms"] - report["overlapped_ms"])
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
+def test_guard_check_measures_alone_and_after_another_compile(capsys, plain):
+    from bench import guard_check
+
+    if dist.is_initialized():  # pragma: no cover - another test left a group behind
+        dist.destroy_process_group()
+    argv = ["--model", "tiny", "--steps", "2", "--rounds", "2"] + (["--plain"] if plain else [])
+    result = guard_check.main(argv)
+    torch._dynamo.reset()
+    assert not dist.is_initialized()
+    assert result["system"] == ("plain" if plain else "graphshard")
+    assert result["leaf_guards"] > 100, result
+    for key in ("lookup_ms_alone", "lookup_ms_after_another_compile"):
+        assert len(result[key]) == 2 and all(ms > 0 for ms in result[key]), result
+    assert "ms after another compile" in capsys.readouterr().out
