@@ -196,11 +196,13 @@ def _exit_forward(state: ShardState) -> Callable[..., None]:
 
 def track_forwards(module: nn.Module, state: ShardState) -> None:
     """Count running forwards of ``module`` (the root: hooks) and of every submodule holding
-    parameters (its class, or hooks where ``forward`` is an instance attribute)."""
+    parameters that has a ``forward`` (its class, or hooks where ``forward`` is an instance
+    attribute)."""
     enter, leave = _enter_forward(state), _exit_forward(state)
     for sub in module.modules():
-        if sub is not module and next(sub.parameters(), None) is None:
-            continue
+        if sub is not module and (next(sub.parameters(), None) is None
+                                  or type(sub).forward is nn.Module.forward):
+            continue  # nothing to count: no parameters, or never called (a ModuleList)
         if sub is module or "forward" in sub.__dict__:
             sub.register_forward_pre_hook(enter)
             sub.register_forward_hook(leave, always_call=True)  # an error unwinds the count
