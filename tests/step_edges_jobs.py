@@ -20,6 +20,7 @@ returns rank-mean losses, the full state and the prefetch counts. Scenarios:
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from torch import nn
 import graphshard
 from graphshard.api import step_prefetch
 from graphshard.models.llama import Llama, llama_config
+from graphshard.passes.markers import TAKE_PREFETCHED
 
 STEPS = 3
 EDIT_ROWS = 128  # rank 0's rows of the 256-row embedding at world 2
@@ -202,6 +204,23 @@ def train_beside_a_leftover(rank: int, world_size: int) -> dict:
     out = train_sharded(rank, world_size, *LEFTOVER_JOB)
     kept.clear()
     return out
+
+
+def gather_after_its_input_changed(rank: int, world_size: int) -> torch.Tensor:
+    """A forward's gather with nothing prefetched, its input overwritten between the kernel's
+    return and the graph's ``wait_tensor`` (as Inductor, which sees an opaque op, may reuse
+    a dead input's buffer there): the gathered buffer. Rank 0's gloo workers are kept busy
+    with all-reduces rank 1 joins late, so its gather cannot start before the overwrite."""
+    if rank == 1:
+        time.sleep(0.5)
+    busy = [dist.all_reduce(torch.ones(1), async_op=True) for _ in range(8)]
+    flat = torch.full((4,), float(rank + 1))
+    out = TAKE_PREFETCHED(flat, world_size, dist.group.WORLD.group_name, shards=[flat],
+                          piece_numels=[4], key="k", lead="k", peers=[], peer_keys=[])
+    flat.fill_(-1.0)
+    for work in busy:
+        work.wait()
+    return torch.ops._c10d_functional.wait_tensor(out).clone()
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict:

@@ -19,7 +19,13 @@ import torch
 from dist_utils import run_ranks
 from graph_utils import TwoBlock, c10d, calls, fake_process_group, schedule_string
 from parity import assert_matches
-from step_edges_jobs import LEFTOVER_JOB, STEPS, run_jobs, train_reference
+from step_edges_jobs import (
+    LEFTOVER_JOB,
+    STEPS,
+    gather_after_its_input_changed,
+    run_jobs,
+    train_reference,
+)
 
 import graphshard
 from graphshard.analysis.report import step_summary
@@ -279,6 +285,17 @@ def test_a_leftover_models_gathers_are_not_taken_by_another(world2):
         assert beside["stats"] == alone["stats"]
         for key, value in alone["state"].items():
             assert torch.equal(beside["state"][key], value), key
+
+
+def test_a_gather_in_flight_does_not_read_its_input_after_the_kernel():
+    """The forward's own gather (nothing prefetched) is still in flight when the kernel
+    returns, and the compiler does not know it reads its input until the graph's wait:
+    it gathers from a copy. (Before, torch 2.14.1's Inductor wrote the next bucket's input
+    into that buffer before the wait, and training with ``step_prefetch`` on differed from
+    off now and then.)"""
+    expected = torch.tensor([1.0] * 4 + [2.0] * 4)
+    for gathered in run_ranks(gather_after_its_input_changed, 2):
+        assert torch.equal(gathered, expected), gathered
 
 
 def test_an_optimizer_that_is_not_per_parameter_steps_whole(world2):

@@ -218,6 +218,17 @@ def _everyone(oks: list[bool], group_name: str, device: torch.device) -> list[bo
     return [bool(v) for v in _c10d.wait_tensor(_c10d.all_reduce(flags, "min", group_name))]
 
 
+def _gather(flat: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """The all-gather ``take_prefetched`` stands for, of a private copy of ``flat``: it is
+    still in flight when the kernel returns (the graph's ``wait_tensor`` completes it), and
+    the compiler does not know that it reads ``flat`` until then. Inductor keeps a
+    collective's input alive up to its wait only for its own collective kernels; to it this
+    is an opaque op after which ``flat`` is dead, so it may write the next buffer into
+    ``flat``'s storage before the wait (torch 2.14.1 does: the layers' bucket input is
+    reused for the next bucket's input), and the gather would send that instead."""
+    return _c10d.all_gather_into_tensor(flat.clone(), group_size, group_name)
+
+
 def _drain(slot: _Slot) -> None:
     slot.work.wait()
 
@@ -256,7 +267,7 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
         slot = _find_slot(sid, key)
     if slot is None:  # nothing prefetched, on every rank (the same steps issued the same)
         _STATS["fresh"] += 1
-        return _c10d.all_gather_into_tensor(flat, group_size, group_name)
+        return _gather(flat, group_size, group_name)
     if slot.verdict is None:  # settle it, and this graph's other leading gathers with it
         others = [_find_slot(sid, k) for k in peer_keys]
         oks = [_same_bits(slot.sent, flat)] + [
@@ -274,7 +285,7 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
         return slot.gathered
     _drain(slot)
     _STATS["stale"] += 1
-    return _c10d.all_gather_into_tensor(flat, group_size, group_name)
+    return _gather(flat, group_size, group_name)
 
 
 def _drop_settled() -> None:
