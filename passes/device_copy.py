@@ -18,7 +18,11 @@ Between the two the compute stream runs on: the pass issues a bucket's copies on
 ahead of their wait. The copy stream is not the gradients' (:mod:`graphshard.passes.host_copy`),
 so the two directions share the full-duplex bus. The source needs no event: it is host
 memory that only the host writes, and the host's optimizer step runs after the backward has
-waited for its last gradient, which comes after every shard copy it read.
+waited for its last gradient, which comes after every shard copy it read. Nor can
+Inductor's in-graph buffer reuse write over it while the copy reads it (to Inductor this is
+an opaque op after which a dead source may be reused): a pinned source is a host shard, a
+graph input, which Inductor never reuses; a source the graph computes is pageable (Inductor
+does not pin), and a copy from pageable memory has read its source before it returns.
 
 Off CUDA (the host standing in for the device in the CPU tests) ``to_device`` is a
 synchronous copy and ``wait_copy`` does nothing. Only the schemas and the fake (shape)
