@@ -13,8 +13,11 @@ the compiled step. torch 2.11's Dynamo skips a module's guards whole while no di
 has changed since the last call, but only a module whose reads are all dicts, functions and
 immutable values reached through its ``__dict__`` and its class's own dicts
 (``docs/torch-versions.md``). So the module holds what the trace reads as plain attributes of
-its instance dict: dicts of indices into constant tables (:func:`_fixed_spec`, the root
-state's index), a dict of its parameters' plain tensors (``ShardedParam.local``, kept equal
+its instance dict: the names of its sharded parameters (a dict, the same in every block of
+one kind: torch 2.12's Dynamo reads the values of a dict tested with ``in`` and guards them,
+and a value that differs between two blocks keeps it from reusing one block's trace for the
+other), dicts of indices into constant tables (:func:`_fixed_spec`, the root state's index),
+a dict of its parameters' plain tensors (``ShardedParam.local``, kept equal
 by :func:`graphshard.api.local_inputs.set_local`), a dict of their buckets' flat buffers
 (:mod:`graphshard.api.bucket_storage`) and two flags; the records themselves are
 read only where gradients are held back (``no_sync``) or tensor parallelism re-wraps.
@@ -50,6 +53,7 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
     attrs["_graphshard_specs"] = specs
     attrs[_SPEC_INDEX_ATTR] = {pname: _register_spec(spec, place(entry))
                                for pname, (entry, spec) in specs.items()}
+    attrs[_SHARDED_NAMES_ATTR] = dict.fromkeys(specs, True)
     attrs[LOCAL_INDEX_ATTR] = local_index
     locals_ = attrs[LOCALS_ATTR] = {}
     storages = attrs[STORAGES_ATTR] = {}
@@ -114,6 +118,11 @@ def reads_gather(state: ShardState) -> bool:
 # parameters' indices here (``_graphshard_spec_index``: parameter name -> index).
 _SPECS: list[tuple] = []
 _SPEC_INDEX_ATTR = "_graphshard_spec_index"
+# A sharded module's names of sharded parameters: what an attribute read tests (the same in
+# every block of a kind, where the indices differ; see :func:`_sharded_getattr`). A dict, not
+# a frozenset: torch 2.11 skips a module's guards through dicts, not through a frozenset
+# (``python -m bench.guard_check`` on 2.11: 0.2-0.3 ms a step with a dict, 0.6-0.9 with one).
+_SHARDED_NAMES_ATTR = "_graphshard_sharded_names"
 
 
 _PLACES: list[int] = []  # by the same index: the parameter's place in its bucket's buffer
@@ -219,7 +228,7 @@ def _sharded_getattr(self: nn.Module, name: str) -> Any:
     keeps Dynamo from skipping the module's guards (:func:`_sharded_class`)."""
     if name in _MODULE_TABLES or name.startswith(_PREFIX):
         return nn.Module.__getattr__(self, name)
-    if name in self._graphshard_spec_index:
+    if name in self._graphshard_sharded_names:
         return _sharded_read(self, name)
     parameters = self._parameters
     if name in parameters:
@@ -247,7 +256,7 @@ def _sharded_class(cls: type) -> type:
     else:  # a class with a __getattr__ of its own (its modules' guards are then not skipped)
 
         def getattr_(self: nn.Module, name: str) -> Any:
-            if name.startswith(_PREFIX) or name not in self._graphshard_spec_index:
+            if name.startswith(_PREFIX) or name not in self._graphshard_sharded_names:
                 return own(self, name)
             return _sharded_read(self, name)
 
