@@ -179,6 +179,45 @@ def test_dynamo_traces_each_kind_of_block_once(fake2, region_traces):
     assert len(region_traces) == (2 if _STAMPS_OUT else 5)
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (type(a), getattr(a, "shape", None), getattr(a, "dtype", None)) == (
+            type(b), getattr(b, "shape", None), getattr(b, "dtype", None))
+    return a is b or a == b
+
+
+@pytest.mark.skipif(not _STAMPS_OUT, reason="torch 2.11's Dynamo traces every block: there "
+                    "is no reuse check whose sources to read")
+def test_a_block_body_reads_nothing_that_differs_between_blocks_of_a_kind(fake2, monkeypatch):
+    """Dynamo stamps a traced body out for the next block only where every value the body
+    read under the block has the same value under that block too (its reuse check). Whether
+    a given read is guarded by value depends on the torch version (torch 2.12 guarded the
+    values of a dict tested with ``in``, which held per-block indices, and so traced every
+    block), so every read of the first block's body must be equal in the other blocks."""
+    from torch._dynamo.variables import invoke_subgraph
+
+    read = []
+    build = invoke_subgraph.build_reuse_condition
+
+    def recording(tx, fingerprint, traced_sources):
+        read.extend(source.name for source in traced_sources)
+        return build(tx, fingerprint, traced_sources)
+
+    monkeypatch.setattr(invoke_subgraph, "build_reuse_condition", recording)
+    model = graphshard.shard(_Mixed())
+    torch.compile(model, backend=graphshard.backend(inductor=False))(torch.randn(4, 8)).backward()
+    first = re.compile(r"L\['self'\]\._modules\['blocks'\]\._modules\['(\d)'\]")
+    under_a_block = [(int(m.group(1)), name) for name in read if (m := first.match(name))]
+    assert {index for index, _ in under_a_block} == {0, 1}  # the first block of each kind
+    # the attribute reads of the blocks' Linear layers among them
+    assert any(name.count("_modules[") >= 3 for _, name in under_a_block)
+    for index, name in under_a_block:
+        value = eval(name, {"L": {"self": model}})  # noqa: S307 (a source name Dynamo wrote)
+        for other in range(index + 2, len(model.blocks), 2):  # the same kind: every other one
+            there = eval(first.sub(f"L['self']._modules['blocks']._modules['{other}']", name),
+                         {"L": {"self": model}})  # noqa: S307
+            assert _same_value(value, there), f"{name}: {value!r} here, {there!r} in {other}"
+
 def test_a_users_hook_inside_a_block_still_runs_in_every_block(fake2, region_traces):
     """A body whose hooks change outside state is traced at every call, never stamped out
     with its side effects lost."""
