@@ -218,6 +218,7 @@ def test_a_block_body_reads_nothing_that_differs_between_blocks_of_a_kind(fake2,
                          {"L": {"self": model}})  # noqa: S307
             assert _same_value(value, there), f"{name}: {value!r} here, {there!r} in {other}"
 
+
 def test_a_users_hook_inside_a_block_still_runs_in_every_block(fake2, region_traces):
     """A body whose hooks change outside state is traced at every call, never stamped out
     with its side effects lost."""

@@ -121,7 +121,7 @@ _SPEC_INDEX_ATTR = "_graphshard_spec_index"
 # A sharded module's names of sharded parameters: what an attribute read tests (the same in
 # every block of a kind, where the indices differ; see :func:`_sharded_getattr`). A dict, not
 # a frozenset: torch 2.11 skips a module's guards through dicts, not through a frozenset
-# (``python -m bench.guard_check`` on 2.11: 0.2-0.3 ms a step with a dict, 0.6-0.9 with one).
+# (``python -m bench.guard_check`` on 2.11: 0.15-0.55 ms a step with a dict, 0.43-1.0 with one).
 _SHARDED_NAMES_ATTR = "_graphshard_sharded_names"
 
 
