@@ -43,6 +43,7 @@ def config(tie: bool, other: bool = False):
         vocab_size=128, hidden_size=64, intermediate_size=96 if other else 128,
         num_hidden_layers=3 if other else 2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=tie,
+        use_cache=False,  # training, as docs/large-models.md says (blocks compiled once)
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from graphshard.records import ROOT_STATES
 from graphshard.safety.guards import refuse_copies
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
 
-__all__ = ["REGION_PARAMS_ATTR", "install_block_regions", "region_forward"]
+__all__ = ["REGION_PARAMS_ATTR", "BlockInlinedWarning", "install_block_regions", "region_forward"]
 
 # On a module inside a block while its region is traced: parameter name -> gathered tensor.
 REGION_PARAMS_ATTR = "_graphshard_region_params"
@@ -183,10 +184,77 @@ def _gather_block_params(block: nn.Module) -> tuple[list[nn.Module], list[torch.
     return owners, flat
 
 
+class BlockInlinedWarning(UserWarning):
+    """A block that ``compile_blocks_once`` would compile once was compiled inline instead,
+    because of an argument it was called with (the message names it and what to change)."""
+
+
+# Operands a region may take: values that its body cannot change from inside. A tuple
+# qualifies when everything in it does.
+_VALUE_TYPES = (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                torch.memory_format, torch.layout, type(None), type(Ellipsis))
+
+
+def _is_value(operand: Any) -> bool:
+    if isinstance(operand, tuple):
+        for item in operand:
+            if not _is_value(item):
+                return False
+        return True
+    return isinstance(operand, _VALUE_TYPES)
+
+
+def _object_operand(args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """The first argument of a block call that is not a value (a list, a dict, any other
+    object), as (which argument, its type's name); None when all are values.
+
+    A region's body may change such an object (a Hugging Face ``DynamicCache`` stores each
+    layer's keys and values in it), and torch's ``invoke_subgraph`` cannot replay every such
+    change in the step graph: a tensor stored there that aliases one of the region's inputs
+    or outputs ends the compile with an internal Dynamo error (``RuntimeError: An
+    intermediate tensor ... aliases an input or output``; every torch from 2.11 to 2.14,
+    e.g. Mistral's sliding-window cache layers storing ``tensor.to(device)``). A block called
+    with one therefore runs inline, as with ``compile_blocks_once=False``."""
+    for position, operand in enumerate(args):
+        if not _is_value(operand):
+            return f"argument {position + 1}", type(operand).__name__
+    for name, operand in kwargs.items():
+        if not _is_value(operand):
+            return f"keyword argument {name!r}", type(operand).__name__
+    return None
+
+
+_INLINED_NOTED: set[tuple[str, str, str]] = set()
+
+
+@torch.compiler.assume_constant_result
+def _note_inlined(block_class: str, where: str, type_name: str) -> bool:
+    """Warn, once per (block class, argument, type) in a process, that a block runs inline
+    (:func:`_object_operand`). Called by Dynamo while it traces, with constants."""
+    key = (block_class, where, type_name)
+    if key not in _INLINED_NOTED:
+        _INLINED_NOTED.add(key)
+        warnings.warn(
+            f"graphshard: {block_class} blocks are compiled inline, each on its own, not "
+            f"once per kind (compile_blocks_once): their {where} is a {type_name}, an "
+            f"object the block's body could change, which torch's compile regions cannot "
+            f"always replay. The step is the same; only its compile time grows with depth. "
+            f"To compile each kind of block once, call the blocks with tensors and plain "
+            f"values only (for a Hugging Face model in training, pass use_cache=False, or "
+            f"set model.config.use_cache = False, so that no cache object reaches them).",
+            BlockInlinedWarning, stacklevel=2)
+    return True
+
+
 def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A block's ``forward``: as a compile region while Dynamo traces, else as written."""
+    """A block's ``forward``: as a compile region while Dynamo traces, else as written (and
+    inline when called with an object the region could not take: :func:`_object_operand`)."""
     forward = self._graphshard_block_forward
     if not torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    held = _object_operand(args, kwargs)
+    if held is not None:
+        _note_inlined(type(self).__name__, *held)
         return forward(self, *args, **kwargs)
     owners, flat = _gather_block_params(self)
     try:
