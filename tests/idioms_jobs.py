@@ -311,7 +311,60 @@ def job_resume(rank: int, world_size: int, mesh, mode: str, full_flag: bool) -> 
     return out
 
 
+# Item 6: torch.amp.GradScaler. SGD is unscaled by ``unscale_``'s foreach op; the fused AdamW
+# takes the scale and the inf flag into its own step.
+SCALER_OPTIMIZERS = ("sgd", "adamw_fused")
+INIT_SCALE, INF_STEP = 1024.0, 1
+
+
+def put_inf(grad: torch.Tensor, holds_last_row: bool) -> None:
+    """An inf in the last row of ``grad`` (a DTensor: only the rank that holds that row)."""
+    if isinstance(grad, DTensor):
+        if holds_last_row:
+            grad.to_local()[-1].view(-1)[0] = math.inf
+    else:
+        grad[-1].view(-1)[0] = math.inf
+
+
+def scaled_loop(net: nn.Module, model: nn.Module, opt, steps, ranks: list[int],
+                holds_last_row: bool) -> dict:
+    """The AMP loop (``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update``)
+    with an inf put into one gradient entry at ``INF_STEP``; per step, the scale after the
+    update and whether the parameters changed."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    scales, stepped = [], []
+    for step in steps:
+        loss = sum(loss_fn(model, batch(step, r)) for r in ranks) / len(ranks)
+        scaler.scale(loss).backward()
+        if step == INF_STEP:
+            put_inf(net.fc1.weight.grad, holds_last_row)
+        before = [full(p) for p in net.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        stepped.append(any(not torch.equal(b, full(p))
+                           for b, p in zip(before, net.parameters(), strict=True)))
+    return {"scales": scales, "stepped": stepped}
+
+
+def job_grad_scaler(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """Item 6: an inf in one rank's gradient shard skips the step on every rank (the scaler's
+    inf check is reduced across the mesh) and halves the scale everywhere; the other steps
+    train as without scaling."""
+    index, count = shard_coords(rank, world_size, mesh)
+    last = len(torch.chunk(torch.empty(OddNet().fc1.weight.shape[0]), count)) - 1
+    out: dict = {}
+    for name in SCALER_OPTIMIZERS:
+        net, model = sharded(mode, mesh)
+        opt, _ = make_optimizer(name, model.parameters())
+        out[name] = scaled_loop(net, model, opt, range(TRAIN_STEPS), [rank], index == last)
+        out[name]["state"] = full_state(net)
+    return out
+
+
 JOBS: dict[str, Callable[..., dict]] = {
+    "grad_scaler": job_grad_scaler,
     "basics": job_basics,
     "optim": job_optim,
     "dcp_load": dcp_load,  # item 4 at another world size / mesh: the world-2 checkpoint

@@ -6,11 +6,13 @@ shard mesh, ``(Replicate(), Shard(0))`` on HSDP, 0-D replicated), so ``parameter
 state_dict`` must work unchanged. One ``run_ranks`` launch per world (module fixtures) runs
 every job in "eager" and "compiled" mode (see ``idioms_jobs``):
 
-- world 2: items 1-5, and the DCP save (item 4) with a same-world reload;
-- world 3 (uneven shards, a rank with no rows of ``shift``): items 1-5, loading the world-2
+- world 2: items 1-6, and the DCP save (item 4) with a same-world reload;
+- world 3 (uneven shards, a rank with no rows of ``shift``): items 1-6, loading the world-2
   checkpoint;
-- world 4, HSDP mesh (2 replicas x 2 shards): items 1-3 and 5, also loading the world-2
+- world 4, HSDP mesh (2 replicas x 2 shards): items 1-3, 5 and 6, also loading the world-2
   checkpoint.
+
+Item 6 is ``torch.amp.GradScaler``, with an inf in one rank's gradient rows.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import torch
 from dist_utils import run_ranks
 from idioms_jobs import (
     CLIP_VALUE,
+    INIT_SCALE,
     MAX_NORM,
     MODES,
     OPTIMIZERS,
     OTHER_SEED,
     RESUME_AT,
     RESUME_STEPS,
+    SCALER_OPTIMIZERS,
     TRAIN_STEPS,
     batch,
     build,
@@ -40,6 +44,7 @@ from idioms_jobs import (
     reference_train,
     resume_optimizer,
     run_jobs,
+    scaled_loop,
 )
 from torch.distributed.tensor import Replicate, Shard
 
@@ -54,6 +59,7 @@ def _jobs(*, inf_norm: bool, save_dir: str | None = None, load_dir: str | None =
         jobs.append(("basics", mode, inf_norm))
         jobs.append(("optim", mode, save_dir))
         jobs.extend((name, mode) for name in SD_JOBS)
+        jobs.append(("grad_scaler", mode))
         if load_dir is not None:
             jobs.append(("dcp_load", mode, load_dir))
     return jobs
@@ -303,6 +309,33 @@ def test_optimizer_with_scheduler_matches_single_process(request, world, mode, o
         _assert_state_close(r["state"], ref["state"], rtol=rtol)
     init = _plain_init()
     assert all(not torch.equal(ref["state"][k], init[k]) for k in init)  # it trains
+
+
+# --------------------------------------------------------------------------- 6. GradScaler
+
+SCALED = [(w, m, o) for w, m in ALL for o in SCALER_OPTIMIZERS]
+
+
+@functools.cache
+def _ref_scaled(optim: str, world: int) -> dict:
+    model = build()
+    opt, _ = make_optimizer(optim, model.parameters())
+    out = scaled_loop(model, model, opt, range(TRAIN_STEPS), list(range(world)), True)
+    return {**out, "state": plain_state(model)}
+
+
+@pytest.mark.parametrize("world,mode,optim", SCALED, ids=[f"{w}-{m}-{o}" for w, m, o in SCALED])
+def test_grad_scaler_skips_the_same_steps_on_every_rank_as_one_process(request, world, mode,
+                                                                       optim):
+    """``torch.amp.GradScaler`` as a user writes it, an inf in the gradient rows of one rank
+    only: every rank skips that step and halves the scale, as one process does."""
+    ref = _ref_scaled(optim, _size(world))
+    assert ref["stepped"] == [True, False, True]  # the inf's step is skipped
+    assert ref["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2]
+    for r in _results(request, world, "grad_scaler", mode):
+        assert r[optim]["stepped"] == ref["stepped"]
+        assert r[optim]["scales"] == ref["scales"]
+        _assert_state_close(r[optim]["state"], ref["state"], rtol=1e-5 if optim == "sgd" else 1e-4)
 
 
 # --------------------------------------------------------------------------- 4. DCP
