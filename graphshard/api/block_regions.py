@@ -363,8 +363,10 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
     _graph_breaks_fall_back()
     regions_donate_no_inputs_in_this_process()  # whichever backend compiles the regions
     _REGION[:] = [_region()]
-    served = []
+    served: list[nn.Module] = []
     for block in blocks:
+        if any(block is done for done in served):
+            continue  # one block object at several depths: made a region once
         layout = _param_layout(block)
         if layout and _servable(block):
             block.__dict__[_BLOCK_FORWARD] = type(block).forward

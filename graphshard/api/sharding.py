@@ -127,10 +127,25 @@ def _main_block_list(module: nn.Module) -> nn.Module | None:
     return best
 
 
+def _block_groups(blocks: nn.Module | None) -> list[list[nn.Module]]:
+    """The default groups: one per block of the main list that holds a parameter no earlier
+    block holds. A block object listed again (one layer applied at several depths, as in a
+    looped or ALBERT-style model) or a block of shared parameters only adds no bucket: its
+    parameters are gathered with the first block that holds them."""
+    if blocks is None:
+        return []
+    groups, seen = [], set()
+    for child in blocks:
+        ids = {id(p) for p in child.parameters()}
+        if ids - seen:
+            groups.append([child])
+        seen |= ids
+    return groups
+
+
 def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
     if buckets is None:
-        blocks = _main_block_list(module)
-        return [] if blocks is None else [[child] for child in blocks]
+        return _block_groups(_main_block_list(module))
     if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable) or (
         isinstance(buckets, nn.Module) and not isinstance(buckets, (nn.ModuleList, nn.Sequential))
     ):
@@ -154,10 +169,14 @@ def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
 
 
 def _assign_buckets(
-    module: nn.Module, groups: Sequence[Sequence[nn.Module]]
+    module: nn.Module, groups: Sequence[Sequence[nn.Module]], *, first_wins: bool = False
 ) -> tuple[dict[int, int], list[str]]:
-    """Map id(param) -> bucket index: one bucket per group, then one for the rest."""
-    names_of = {id(m): n or "<root>" for n, m in module.named_modules(remove_duplicate=False)}
+    """Map id(param) -> bucket index: one bucket per group, then one for the rest. A parameter
+    in two groups is an error, or with ``first_wins`` (the default groups, which the user did
+    not choose) stays in the first."""
+    names_of: dict[int, str] = {}  # a module under several names goes by its first
+    for name, sub in module.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(sub), name or "<root>")
     bucket_of: dict[int, int] = {}
     bucket_names: list[str] = []
     for index, group in enumerate(groups):
@@ -170,7 +189,7 @@ def _assign_buckets(
                 )
             labels.append(names_of[id(m)])
             for p in m.parameters():
-                if bucket_of.setdefault(id(p), index) != index:
+                if bucket_of.setdefault(id(p), index) != index and not first_wins:
                     raise GraphshardValueError(
                         f"A parameter of {names_of[id(m)]} is in buckets[{bucket_of[id(p)]}] and "
                         f"buckets[{index}]: each parameter may belong to one bucket only."
@@ -394,7 +413,8 @@ def shard(
         )
     policy = mixed_precision or MixedPrecision()
     originals = guards.collect_originals(module)  # marked once replaced (graphshard.safety.guards)
-    bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets))
+    bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets),
+                                              first_wins=buckets is None)
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if device.type == "meta":  # the device to_empty will allocate on: the group's
