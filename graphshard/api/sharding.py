@@ -128,16 +128,17 @@ def _main_block_list(module: nn.Module) -> nn.Module | None:
 
 
 def _block_groups(blocks: nn.Module | None) -> list[list[nn.Module]]:
-    """The default groups: one per block of the main list that holds a parameter no earlier
-    block holds. A block object listed again (one layer applied at several depths, as in a
-    looped or ALBERT-style model) or a block of shared parameters only adds no bucket: its
-    parameters are gathered with the first block that holds them."""
+    """The default groups: one per block of the main list, except a block whose parameters
+    all belong to earlier blocks. A block object listed again (one layer applied at several
+    depths, as in a looped or ALBERT-style model) or a block of shared parameters only adds
+    no bucket: its parameters are gathered with the first block that holds them. (A block
+    without parameters keeps its empty group, as it always has.)"""
     if blocks is None:
         return []
     groups, seen = [], set()
     for child in blocks:
         ids = {id(p) for p in child.parameters()}
-        if ids - seen:
+        if not ids or ids - seen:
             groups.append([child])
         seen |= ids
     return groups
