@@ -56,7 +56,8 @@ def _hf_gpt2() -> nn.Module:
 
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                     eos_token_id=0, attn_implementation="sdpa")
+                     eos_token_id=0, attn_implementation="sdpa",
+                     use_cache=False)  # training, as docs/large-models.md says
     return GPT2LMHeadModel(cfg)
 
 
