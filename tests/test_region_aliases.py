@@ -4,7 +4,7 @@ applied at several depths.
 A block under an outer residual (``h = h + block(h)``, the block a plain MLP) saves a view
 of its input for its first weight's gradient. torch's Inductor does not know that a region's
 output shares its operand's storage: it wrote the sum into ``h``'s buffer, and the backward
-computed that weight's gradient from the sum (60-120 % off here; torch 2.11 to 2.14, also
+computed that weight's gradient from the sum (off by up to its own size; torch 2.11 to 2.14, also
 without graphshard). ``rewire_region_passthrough`` reads such an output as a view of the
 operand taken in the step graph, an alias Inductor sees. Numerics against the model run
 eagerly (one real gloo rank), with Inductor on.
