@@ -17,6 +17,7 @@ from graphshard.passes.host_copy import TO_HOST
 __all__ = [
     "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "fake_value",
     "graph_order", "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
+    "is_view",
 ]
 
 aten = torch.ops.aten
@@ -115,6 +116,26 @@ def copy_to_host(make: NodeMaker, node: fx.Node, bucket: int) -> fx.Node:
     copy = make(TO_HOST, node)
     copy.meta["graphshard_copy"] = {"direction": "d2h", "bucket": bucket}
     return copy
+
+
+# Ops whose result shares its first argument's storage although their schema says nothing.
+_UNANNOTATED_VIEWS = frozenset({aten._unsafe_view.default})
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op returning a view of its first argument: its schema's
+    one return aliases that argument and writes nothing (``view``, ``permute``, ``expand``,
+    ``slice``...), or ``_unsafe_view``."""
+    if node.op != "call_function":
+        return False
+    if node.target in _UNANNOTATED_VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or len(schema.returns) != 1 or not schema.arguments:
+        return False
+    returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return (returned is not None and not returned.is_write and first is not None
+            and returned.before_set == first.before_set)
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:

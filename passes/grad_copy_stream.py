@@ -36,19 +36,11 @@ from __future__ import annotations
 
 from torch import fx
 
+from graphshard.passes.fx_util import is_view
 from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.plan import Plan
 
 __all__ = ["grad_copy_stream"]
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Whether ``node`` is an ATen op whose output aliases its input without writing it."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def _only_viewed_to_the_output(node: fx.Node) -> bool:
@@ -58,7 +50,7 @@ def _only_viewed_to_the_output(node: fx.Node) -> bool:
         user = pending.pop()
         if user.op == "output":
             continue
-        if not _is_view(user):
+        if not is_view(user):
             return False
         pending.extend(user.users)
     return True

@@ -31,6 +31,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.fx_util import NodeMaker, is_view
 from graphshard.passes.markers import is_unshard
 
 if TYPE_CHECKING:
@@ -183,42 +184,27 @@ def partition_region(joint: fx.GraphModule, joint_inputs: Any, *, n_params: int,
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-# Ops whose result shares its first argument's storage although their schema says nothing.
-_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Whether ``node`` returns a view of its first argument (its schema's return aliases it
-    and writes nothing), e.g. ``view``, ``permute``, ``expand``, ``slice``."""
-    if node.op != "call_function":
-        return False
-    if node.target in _UNANNOTATED_VIEWS:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or len(schema.returns) != 1 or not schema.arguments:
-        return False
-    returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    return (returned is not None and not returned.is_write and first is not None
-            and returned.before_set == first.before_set)
-
-
 def _view_chain(out: Any) -> tuple[fx.Node, list[fx.Node]] | None:
     """(placeholder, the view nodes from it to ``out``, in order) when ``out`` is a region
     body's placeholder or a chain of views of one; None otherwise."""
     chain: list[fx.Node] = []
     while isinstance(out, fx.Node) and out.op != "placeholder":
-        if not _is_view(out) or not isinstance(out.args[0], fx.Node):
+        if not is_view(out) or not isinstance(out.args[0], fx.Node):
             return None
         chain.append(out)
         out = out.args[0]
     return (out, chain[::-1]) if isinstance(out, fx.Node) else None
 
 
-def _replay_views(gm: fx.GraphModule, operand: fx.Node, chain: list[fx.Node],
-                  operand_of: dict[fx.Node, Any], after: fx.Node) -> fx.Node | None:
-    """``chain`` (view nodes of a region body, the first reading the placeholder whose step
-    operand is ``operand``) applied to ``operand`` in the step graph, just after ``after``;
-    None (and nothing inserted) when a view reads a body value other than a placeholder."""
+def _operand_read(make: NodeMaker, call: fx.Node, out: Any,
+                  operand_of: dict[fx.Node, Any]) -> fx.Node | None:
+    """What the step graph reads in place of region output ``out`` of ``call``: the operand
+    it passes through, or the same views of that operand, made right after ``call``. None
+    when ``out`` is neither, or a view reads a body value other than a placeholder."""
+    found = _view_chain(out)
+    if found is None or not isinstance(operand_of[found[0]], fx.Node):
+        return None
+    source, chain = found
 
     def step_value(arg: Any) -> Any:
         if isinstance(arg, fx.Node):
@@ -228,20 +214,14 @@ def _replay_views(gm: fx.GraphModule, operand: fx.Node, chain: list[fx.Node],
         return arg
 
     try:
-        calls = [(view.target, tuple(fx.node.map_aggregate(a, step_value) for a in view.args[1:]),
-                  {k: fx.node.map_aggregate(v, step_value) for k, v in view.kwargs.items()})
-                 for view in chain]
+        views = [(view.target, fx.node.map_aggregate(view.args[1:], step_value),
+                  fx.node.map_aggregate(view.kwargs, step_value)) for view in chain]
     except LookupError:
         return None
-    def fake(arg: Any) -> Any:
-        return fx.node.map_arg(arg, lambda n: n.meta["val"])
-
-    value = operand
-    for target, args, kwargs in calls:
-        with gm.graph.inserting_after(after):
-            value = gm.graph.call_function(target, (value, *args), kwargs)
-        value.meta["val"] = target(*fake(value.args), **fake(kwargs))  # on fake tensors
-        after = value
+    value = operand_of[source]
+    with call.graph.inserting_before(call.next):
+        for target, args, kwargs in views:
+            value = make(target, value, *args, **kwargs)
     return value
 
 
@@ -261,6 +241,7 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     (torch 2.11 to 2.14, also without graphshard). In the step graph the view is an alias
     Inductor sees."""
     changed = False
+    make = NodeMaker(gm.graph)
     for node in list(region_calls(gm)):
         body = region_body(node)
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
@@ -269,12 +250,7 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for user in list(node.users):
             if user.op != "call_function" or user.target is not operator.getitem:
                 continue
-            found = _view_chain(outputs[user.args[1]])
-            if found is None or not isinstance(operand_of[found[0]], fx.Node):
-                continue
-            source, chain = found
-            value = operand_of[source] if not chain else _replay_views(
-                gm, operand_of[source], chain, operand_of, node)
+            value = _operand_read(make, node, outputs[user.args[1]], operand_of)
             if value is not None:
                 user.replace_all_uses_with(value)
                 changed = True
