@@ -144,3 +144,43 @@ def test_hugging_face_mistral_with_its_cache_trains_compiled(one_rank, monkeypat
         _assert_same_gradients(reference, model)
         model.zero_grad()
         torch._dynamo.reset()
+
+
+class _KeywordBlock(nn.Module):
+    """A block whose keyword arguments are named as graphshard's wrappers name their own
+    (Hugging Face's RWKV blocks take ``state=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, fn: str = "relu",
+                forward: int = 1) -> torch.Tensor:
+        out = getattr(torch, fn)(self.proj(x)) * forward
+        return out if state is None else out + state
+
+
+class _KeywordStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_KeywordBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.full_like(x, 0.5)
+        for block in self.blocks:
+            x = block(x, state=state, fn="tanh", forward=2)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_blocks_keyword_arguments_may_have_any_name(one_rank, compiled):
+    """Keywords named ``state``, ``fn`` and ``forward`` reach the block's own ``forward``
+    (before, the eager forward counter took ``state`` as its own argument: "counted_call()
+    got multiple values for argument 'state'")."""
+    torch.manual_seed(0)
+    reference, x = _KeywordStack(), torch.randn(4, 8)
+    model = graphshard.shard(copy.deepcopy(reference))
+    reference(x).backward()
+    run = torch.compile(model, backend=graphshard.backend(inductor=False)) if compiled else model
+    run(x).backward()
+    _assert_same_gradients(reference, model)

@@ -246,7 +246,7 @@ def _note_inlined(block_class: str, where: str, type_name: str) -> bool:
     return True
 
 
-def region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     """A block's ``forward``: as a compile region while Dynamo traces, else as written (and
     inline when called with an object the region could not take: :func:`_object_operand`)."""
     forward = self._graphshard_block_forward

@@ -95,7 +95,8 @@ def _leave(state: ShardState, unwinding: bool) -> None:
         check_same_forward(state, end_eager_reads(state))
 
 
-def counted_call(state: ShardState, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def counted_call(state: ShardState, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+                 ) -> Any:
     """``fn(*args, **kwargs)`` counted as a forward of the model whose state is ``state``
     (eagerly; call it outside tracing)."""
     state.forward_depth += 1
@@ -110,7 +111,7 @@ def counted_call(state: ShardState, fn: Callable[..., Any], *args: Any, **kwargs
     return output
 
 
-def counted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def counted_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     """The ``forward`` of a module counted by its class: its own, counted eagerly."""
     forward = self._graphshard_own_forward
     if torch.compiler.is_compiling():
