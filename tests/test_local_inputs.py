@@ -5,9 +5,12 @@ as for the eager model, through freezing, accumulation and new storage."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,6 +166,78 @@ def test_autograd_grad_and_backward_inputs_reach_the_parameters(one_rank):
     run(_batch(2)).loss.backward(inputs=some)
     eager_some = [eager.layers[0].attention.wq.weight, eager.norm.weight]
     eager(_batch(2)).loss.backward(inputs=eager_some)
+    _assert_grads_match(model, eager)
+
+
+class _Residual(nn.Module):
+    """Two residual MLP blocks and a head: every operation twice differentiable (the tiny
+    Llama's CPU attention is not), and saved activations the backward may donate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).square().mean()
+
+
+def _residual_pair():
+    """The plain model, the same sharded and compiled without Inductor (AOTAutograd's
+    runtime, which these tests are about, is the same), and the same sharded, eager."""
+    torch.manual_seed(0)
+    plain = _Residual()
+    model, eager = graphshard.shard(copy.deepcopy(plain)), graphshard.shard(copy.deepcopy(plain))
+    return plain, model, torch.compile(model, backend=graphshard.backend(inductor=False)), eager
+
+
+def _inputs(seed: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_gradient_penalty_through_the_compiled_step_is_refused_not_dropped(one_rank):
+    """``autograd.grad(..., create_graph=True)`` through the compiled step gives gradients
+    that keep their history, so a loss built from them reaches the compiled backward, which
+    refuses a double backward as plain ``torch.compile`` does. (Before, the gradients came
+    back detached: ``loss + penalty`` trained on ``loss`` alone, silently.) The eager sharded
+    model trains on the penalty as the plain model does."""
+    plain, model, run, eager = _residual_pair()
+    for m, forward in ((plain, plain), (model, run), (eager, eager)):
+        loss = forward(_inputs(0))
+        grads = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+        assert all(g.requires_grad for g in grads)
+        penalty = sum((g.to_local() if isinstance(g, DTensor) else g).square().sum()
+                      for g in grads)
+        if m is model:
+            with pytest.raises(RuntimeError, match="double backward"):
+                (loss + penalty).backward()
+        else:
+            (loss + penalty).backward()
+    for (name, p), q in zip(eager.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def test_retain_graph_backwards_twice_with_donated_buffers_off(one_rank, monkeypatch):
+    """As with plain ``torch.compile``, a backward compiled for a ``backward()`` that frees
+    the graph donates the saved activations' buffers, so a later ``retain_graph=True`` is
+    refused with an error that says what to set; with torch's ``donated_buffer`` off, two
+    backwards of one forward accumulate what the eager model does."""
+    _, model, run, eager = _residual_pair()
+    run(_inputs(0)).backward()
+    with pytest.raises(RuntimeError, match="donated_buffer=False"):
+        run(_inputs(0)).backward(retain_graph=True)
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+    run = torch.compile(model, backend=graphshard.backend(inductor=False))
+    for forward in (run, eager):
+        forward(_inputs(0)).backward()
+        loss = forward(_inputs(1))
+        loss.backward(retain_graph=True)
+        loss.backward()
     _assert_grads_match(model, eager)
 
 

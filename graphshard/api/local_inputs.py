@@ -32,7 +32,11 @@ Its backward hands each gradient to the parameter in one of two ways:
   world 1 (``docs/benchmark.md``).
 - **Through autograd** otherwise: the node returns the DTensor and the parameter's own
   ``AccumulateGrad`` takes it from there, so everything autograd does with a parameter
-  still holds: its hooks, ``torch.autograd.grad(loss, params)``, ``create_graph``.
+  still holds: its hooks, ``torch.autograd.grad(loss, params)``, ``create_graph``. Under
+  ``create_graph`` the DTensor is made differentiably (``from_local``), so that the gradient
+  keeps its history: a loss built from it (a gradient penalty) reaches the compiled
+  backward, which refuses a double backward as plain ``torch.compile`` does, instead of
+  silently contributing nothing.
 
 The one difference: a hook registered on a parameter's ``AccumulateGrad`` node itself
 (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as DDP does internally), which
@@ -206,6 +210,10 @@ class _ToParameters(torch.autograd.Function):
                 out.append(None)
             elif direct and _accumulate(param, spec, grad, accumulator):
                 out.append(None)
+            elif torch.is_grad_enabled():  # create_graph: the gradient keeps its history
+                out.append(DTensor.from_local(grad, spec.mesh, spec.placements,
+                                              run_check=False, shape=spec.shape,
+                                              stride=spec.stride))
             else:
                 out.append(_dtensor(grad, spec))
         return tuple(out)
