@@ -14,10 +14,13 @@ accumulates it and the optimizer reads it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from graphshard.api import copy_streams  # noqa: F401  (the copies' kernels)
 from graphshard.api.reduce_scatter import reduce_scatter
+from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.layout import (
     Dim0Layout,
@@ -106,8 +109,25 @@ def _unshard_setup(ctx, inputs, output):
     ctx.shard_device = inputs[0].device.type
 
 
+@functools.cache
+def _to_local_keeps_history() -> bool:
+    """Whether ``DTensor.to_local()``'s backward makes the gradient with ``from_local``
+    (torch >= 2.12), which autograd differentiates; torch 2.11's calls the constructor, so
+    under ``create_graph`` the parameter's gradient comes back without its history."""
+    from torch.distributed.tensor import _api
+
+    return "from_local" in _api._ToTorchTensor.backward.__code__.co_names
+
+
 def _unshard_backward(ctx, grad):
     """Where the gradient goes depends on ``sync``: the shard (reduced), or the accumulator."""
+    if torch.is_grad_enabled() and not _to_local_keeps_history():
+        raise GraphshardRuntimeError(
+            f"graphshard: a backward with create_graph=True (a gradient penalty, "
+            f"higher-order gradients) through the eager sharded model needs torch 2.12 or "
+            f"newer. torch {torch.__version__}'s DTensor.to_local() backward makes the "
+            f"parameter's gradient without its history, so a loss built from the gradients "
+            f"would silently add nothing to them. Upgrade torch, or keep create_graph off.")
     m = ctx.marker
     reduce_dtype = m.reduce_dtype
     grads: list = [None] * len(m)
