@@ -6,6 +6,7 @@ import pytest
 import torch
 from graph_utils import TwoBlock, fake_process_group
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import graphshard
 from graphshard.errors import ShardedModelError
@@ -114,6 +115,38 @@ def test_a_deep_copy_of_a_sharded_model_says_how_to_get_one():
         twin = copy.deepcopy(plain)  # an unsharded model copies as before
         graphshard.shard(twin)
         assert type(plain).__name__ == "TwoBlock"
+
+
+def test_an_averaged_model_made_before_shard_averages_the_shards(one_rank):
+    """The recipe the deep-copy error gives for an EMA: ``AveragedModel(model)`` before
+    ``shard()``, then shard the model and ``ema.module``; ``update_parameters`` (torch's
+    foreach lerp on the shards) and the EMA's forward give the unsharded EMA's values."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    runs = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = TwoBlock()
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+        if sharded:
+            graphshard.shard(model)
+            graphshard.shard(ema.module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+        with torch.no_grad():
+            out = ema(torch.randn(4, 8, generator=gen))
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                 for k, v in ema.module.state_dict().items()}
+        runs.append((state, out))
+    (want, want_out), (got, got_out) = runs
+    torch.testing.assert_close(got_out, want_out)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=key)
 
 
 class _Holder(nn.Module):

@@ -150,8 +150,9 @@ def _refuse_deepcopy(module: nn.Module, memo: dict | None = None, name: str = ""
         f"copy.deepcopy of a sharded model or module ({name or type(module).__name__}) is not "
         "supported: its parameters are shards bound to a process group and to graphshard's "
         "state for the model. Copy the model before sharding it (twin = "
-        "copy.deepcopy(model), then graphshard.shard() each), or shard a freshly built model "
-        "and load this one's weights into it (an EMA model, say): set_model_state_dict(twin, "
+        "copy.deepcopy(model), or an EMA's ema = torch.optim.swa_utils.AveragedModel(model), "
+        "then graphshard.shard() each: the model and ema.module), or shard a freshly built "
+        "model and load this one's weights into it: set_model_state_dict(twin, "
         "get_model_state_dict(model)) from torch.distributed.checkpoint.state_dict."
     )
 
