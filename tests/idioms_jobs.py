@@ -80,6 +80,12 @@ def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return nn.functional.mse_loss(model(x), y)
 
 
+# Item 3, eagerly: torch's other element-wise optimizers, without a scheduler (name -> kwargs).
+OTHER_OPTIMIZERS = {"Adagrad": {"lr": 0.05}, "RMSprop": {"lr": 0.01}, "Adamax": {"lr": 0.02},
+                    "NAdam": {"lr": 0.02}, "RAdam": {"lr": 0.02}, "ASGD": {"lr": 0.05},
+                    "Adadelta": {"lr": 1.0}}
+
+
 def make_optimizer(name: str, params) -> tuple[torch.optim.Optimizer, object]:
     """Optimizer ``name`` over ``params`` with its LR scheduler."""
     sched = torch.optim.lr_scheduler
@@ -95,6 +101,8 @@ def make_optimizer(name: str, params) -> tuple[torch.optim.Optimizer, object]:
     if name == "adamw_fused":
         opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
         return opt, sched.LambdaLR(opt, lambda step: 0.8**step)
+    if name in OTHER_OPTIMIZERS:
+        return getattr(torch.optim, name)(params, **OTHER_OPTIMIZERS[name]), None
     raise ValueError(name)
 
 
@@ -212,6 +220,17 @@ def job_basics(rank: int, world_size: int, mesh, mode: str, inf_norm: bool) -> d
     out["value_clipped"] = {n: full(p.grad) for n, p in net.named_parameters()}
     model.zero_grad()
     out["grads_after_zero_grad"] = [p.grad for p in model.parameters()]
+    return out
+
+
+def job_other_optim(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """Item 3 for :data:`OTHER_OPTIMIZERS`: losses and final state of each."""
+    out: dict = {}
+    for name in OTHER_OPTIMIZERS:
+        _, model = sharded(mode, mesh)
+        opt, sched = make_optimizer(name, model.parameters())
+        losses = train(model, opt, sched, range(TRAIN_STEPS), rank)
+        out[name] = {"losses": losses, "state": full_state(model)}
     return out
 
 
@@ -367,6 +386,7 @@ JOBS: dict[str, Callable[..., dict]] = {
     "grad_scaler": job_grad_scaler,
     "basics": job_basics,
     "optim": job_optim,
+    "other_optim": job_other_optim,
     "dcp_load": dcp_load,  # item 4 at another world size / mesh: the world-2 checkpoint
     "state_dict": job_state_dict,
     "broadcast": job_broadcast,
