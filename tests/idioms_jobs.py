@@ -223,15 +223,17 @@ def job_basics(rank: int, world_size: int, mesh, mode: str, inf_norm: bool) -> d
     return out
 
 
+def _trained(name: str, mode: str, mesh, rank: int) -> tuple[nn.Module, dict]:
+    """A fresh sharded model trained with optimizer ``name``: it, and its losses and state."""
+    _, model = sharded(mode, mesh)
+    opt, sched = make_optimizer(name, model.parameters())
+    losses = train(model, opt, sched, range(TRAIN_STEPS), rank)
+    return model, {"losses": losses, "state": full_state(model)}
+
+
 def job_other_optim(rank: int, world_size: int, mesh, mode: str) -> dict:
     """Item 3 for :data:`OTHER_OPTIMIZERS`: losses and final state of each."""
-    out: dict = {}
-    for name in OTHER_OPTIMIZERS:
-        _, model = sharded(mode, mesh)
-        opt, sched = make_optimizer(name, model.parameters())
-        losses = train(model, opt, sched, range(TRAIN_STEPS), rank)
-        out[name] = {"losses": losses, "state": full_state(model)}
-    return out
+    return {name: _trained(name, mode, mesh, rank)[1] for name in OTHER_OPTIMIZERS}
 
 
 def job_optim(rank: int, world_size: int, mesh, mode: str, save_dir: str | None) -> dict:
@@ -240,10 +242,7 @@ def job_optim(rank: int, world_size: int, mesh, mode: str, save_dir: str | None)
     and a fresh model (another seed) loads it with ``dcp.load`` + ``load_state_dict``."""
     out: dict = {}
     for name in OPTIMIZERS:
-        _, model = sharded(mode, mesh)
-        opt, sched = make_optimizer(name, model.parameters())
-        losses = train(model, opt, sched, range(TRAIN_STEPS), rank)
-        out[name] = {"losses": losses, "state": full_state(model)}
+        model, out[name] = _trained(name, mode, mesh, rank)
         if name == "sgd" and save_dir is not None:
             sd = model.state_dict()
             out["saved_types"] = {k: describe(v) for k, v in sd.items()}
