@@ -121,7 +121,13 @@ class Dim0Layout:
 
 
 def gather_piece(op: Op, local: Any, layout: Dim0Layout, local_rows: int) -> Any:
-    """The all-gather input: a contiguous local tensor flattened, zero-padded to one piece."""
+    """The all-gather input: the local tensor flattened in row-major order, zero-padded to
+    one piece. A local tensor in another memory format (``model.to(memory_format=
+    torch.channels_last)`` after ``shard()``) is copied to a contiguous one first: the
+    pieces concatenate into the full tensor row by row."""
+    value = local.meta["val"] if hasattr(local, "meta") else local  # a graph node, or eager
+    if not value.is_contiguous():
+        local = op(aten.clone.default, local, memory_format=torch.contiguous_format)
     flat = op(aten.view.default, local, [-1])
     missing = (layout.rows - local_rows) * layout.inner
     if missing:

@@ -77,3 +77,37 @@ def test_buffers_stay_whole_and_out_of_collectives(fake2):
     (stages,) = backend.graphs
     names = [n for g in calls(stages["fw"], AG) for n in g.meta["graphshard"]["params"]]
     assert not any("running" in n or "num_batches" in n for n in names)
+
+
+class _Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x).relu()
+        return self.head(x.mean((2, 3)))
+
+
+def test_channels_last_shards_are_gathered_in_row_major_order(fake2):
+    """After ``model.to(memory_format=torch.channels_last)`` each convolution's shard has
+    channels-last strides; the gather copies it to a contiguous tensor before flattening it
+    (before, ``view(-1)`` of the shard failed the compile)."""
+    model = graphshard.shard(_Convs()).to(memory_format=torch.channels_last)
+    convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(not w.to_local().is_contiguous() for w in convs)
+    backend = graphshard.backend(inductor=False)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    (stages,) = backend.graphs
+    copies = [n for n in calls(stages["fw"], torch.ops.aten.clone.default)
+              if n.kwargs.get("memory_format") == torch.contiguous_format
+              and n.args[0].op == "placeholder"]  # a shard entering the step
+    assert sorted(tuple(n.args[0].meta["val"].shape) for n in copies) == sorted(
+        tuple(w.to_local().shape) for w in convs)
+    for gather in calls(stages["fw"], AG):
+        assert gather.args[0].meta["val"].is_contiguous()

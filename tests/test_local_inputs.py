@@ -351,6 +351,47 @@ def test_the_compiled_model_reads_parameters_given_new_storage(one_rank, renew):
     _assert_grads_match(model, eager)
 
 
+class _Convs(nn.Module):
+    """A convolutional stem, two residual convolutions and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3))).square().mean()
+
+
+def test_channels_last_after_shard_trains_compiled(one_rank):
+    """``model.to(memory_format=torch.channels_last)`` after ``shard()`` gives the
+    convolutions' shards other strides, and swaps every DTensor parameter's contents, the
+    unchanged ones too (``Module._apply``). Compiled steps train as the unsharded
+    channels-last model. (Before, the gather flattened a shard with ``view(-1)``, which the
+    new strides refuse, and the Linear's gradient went to the ``AccumulateGrad`` node that
+    the swap had poisoned.)"""
+    torch.manual_seed(0)
+    plain = _Convs()
+    model = graphshard.shard(copy.deepcopy(plain))
+    plain, model = (m.to(memory_format=torch.channels_last) for m in (plain, model))
+    assert model.stem.weight.to_local().is_contiguous(memory_format=torch.channels_last)
+    run = torch.compile(model, backend=graphshard.backend(inductor=False))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2, 3, 8, 8, generator=gen).to(memory_format=torch.channels_last)
+        loss, want = run(x), plain(x)
+        torch.testing.assert_close(loss, want)
+        loss.backward()
+        want.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
 def test_a_parameter_frozen_before_sharding_trains_once_unfrozen(one_rank):
     """Frozen before ``shard()``, a parameter is read through its DTensor; set trainable
     after a compiled step, it gets its gradient like the eager model's."""

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
 from graphshard.api.bucket_storage import follow_new_storage, keep_stored
@@ -112,8 +113,9 @@ def _link(entries: list[ShardedParam]) -> None:
     with torch.enable_grad():  # also where a caller (load_state_dict) disabled it
         locals_ = _ToParameters.apply(group, *(e.param for e in entries))
     group.accumulators = [edge[0] for edge in locals_[0].grad_fn.next_functions]
-    for entry, local in zip(entries, locals_, strict=True):
+    for entry, local, accumulator in zip(entries, locals_, group.accumulators, strict=True):
         setattr(local, _MADE_FROM, id(entry.param))
+        setattr(local, _LINKED_TO, accumulator)
         set_local(entry, local)
 
 
@@ -132,17 +134,23 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _fresh(entry: ShardedParam) -> bool:
     """Whether ``entry.local`` is still made from its parameter as it is now: the same
-    Parameter, storage, layout and ``requires_grad``."""
+    Parameter, storage, layout and ``requires_grad``, and for a trainable one the same
+    ``AccumulateGrad`` node. ``Module._apply`` swaps a DTensor parameter's contents even
+    where they do not change (``.to(memory_format=...)`` of a Linear), and the swap poisons
+    the node the tensor was linked to: the next backward through it would raise."""
     local, param = entry.local, entry.param  # param: a DTensor (attach_local checks)
     return (
         local is not None
         and getattr(local, _MADE_FROM, None) == id(param)
         and local.requires_grad == param.requires_grad
         and same_view(local, param._local_tensor)
+        and (not param.requires_grad
+             or getattr(local, _LINKED_TO, None) is get_gradient_edge(param).node)
     )
 
 
 _MADE_FROM = "_graphshard_made_from"  # on ``entry.local``: the id of the Parameter it is of
+_LINKED_TO = "_graphshard_linked_to"  # on a trainable one's: the AccumulateGrad it feeds
 
 
 def attach_local(entry: ShardedParam) -> None:
