@@ -67,7 +67,6 @@ from typing import Any
 import torch
 from torch._dynamo import compiled_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
 from graphshard.api.bucket_storage import follow_new_storage, keep_stored
@@ -145,8 +144,29 @@ def _fresh(entry: ShardedParam) -> bool:
         and local.requires_grad == param.requires_grad
         and same_view(local, param._local_tensor)
         and (not param.requires_grad
-             or getattr(local, _LINKED_TO, None) is get_gradient_edge(param).node)
+             or getattr(local, _LINKED_TO, None) is _accumulator(param))
     )
+
+
+class _Edge(torch.autograd.Function):
+    """Nothing, made from a parameter: its node's one edge leads to the parameter's
+    ``AccumulateGrad``. (``torch.autograd.graph.get_gradient_edge`` takes ``view_as`` of
+    the parameter, which DTensor's dispatch refuses for a shard with fewer rows than
+    others.)"""
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor) -> torch.Tensor:
+        return param._local_tensor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
+
+
+def _accumulator(param: DTensor) -> Any:
+    """The ``AccumulateGrad`` node of the trainable ``param`` (made if it has none yet)."""
+    with torch.enable_grad():
+        return _Edge.apply(param).grad_fn.next_functions[0][0]
 
 
 _MADE_FROM = "_graphshard_made_from"  # on ``entry.local``: the id of the Parameter it is of
