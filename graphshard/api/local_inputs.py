@@ -166,7 +166,8 @@ class _Edge(torch.autograd.Function):
 def _accumulator(param: DTensor) -> Any:
     """The ``AccumulateGrad`` node of the trainable ``param`` (made if it has none yet)."""
     with torch.enable_grad():
-        return _Edge.apply(param).grad_fn.next_functions[0][0]
+        made = _Edge.apply(param)  # alive while its node is read (torch 2.11 needs it)
+    return made.grad_fn.next_functions[0][0]
 
 
 _MADE_FROM = "_graphshard_made_from"  # on ``entry.local``: the id of the Parameter it is of
