@@ -45,7 +45,7 @@ _c10d = torch.ops._c10d_functional
 
 def gather_full(local: torch.Tensor, layout: Dim0Layout, group_name: str) -> torch.Tensor:
     """The full tensor from every rank's local rows (a new tensor, padding cut off)."""
-    piece = gather_piece(eager, local.contiguous(), layout, rows_held(local.shape))
+    piece = gather_piece(eager, local, layout, rows_held(local.shape))
     if layout.world == 1:
         return full_from_gathered(eager, piece, layout).clone()
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece, layout.world, group_name))
