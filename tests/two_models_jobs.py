@@ -1,0 +1,161 @@
+"""Rank jobs of ``test_two_models``: two sharded models in one training step, as users write
+GANs and distillation, against the same loop in one process.
+
+- ``gan``: a generator and a discriminator, each sharded and (in "compiled" mode) compiled on
+  its own, each with its own Adam. The discriminator's loss runs it twice (real rows, then the
+  generator's output detached) before one backward; the generator's loss backpropagates
+  through the discriminator, whose shards then get gradients its optimizer never steps
+  (``zero_grad`` drops them), as in every GAN loop.
+- ``distill``: a frozen teacher in ``eval()`` under ``torch.no_grad()`` and a student trained
+  on the KL divergence to it; both sharded.
+
+Every rank draws its own rows; the reference runs all ranks' rows in one batch, which gives
+the same means (every rank holds as many rows).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import graphshard
+
+MODES = ("eager", "compiled")
+STEPS = 4
+ROWS = 4
+
+
+def build() -> dict[str, nn.Module]:
+    """The four models, from seed 0: generator, discriminator, teacher, student. Odd widths,
+    so that no world divides every dimension."""
+    torch.manual_seed(0)
+    models = {
+        "gen": nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16)),
+        "disc": nn.Sequential(nn.Linear(16, 31), nn.LeakyReLU(0.2), nn.Linear(31, 1)),
+        "teacher": nn.Sequential(nn.Linear(16, 47), nn.GELU(), nn.Linear(47, 10)),
+        "student": nn.Sequential(nn.Linear(16, 23), nn.GELU(), nn.Linear(23, 10)),
+    }
+    models["teacher"].requires_grad_(False).eval()
+    return models
+
+
+def optimizers(models: dict[str, nn.Module]) -> dict[str, torch.optim.Optimizer]:
+    """One optimizer per trained model: Adam for the GAN (as usual), SGD with momentum for
+    the student."""
+    return {
+        "gen": torch.optim.Adam(models["gen"].parameters(), lr=1e-2, betas=(0.5, 0.9)),
+        "disc": torch.optim.Adam(models["disc"].parameters(), lr=1e-2, betas=(0.5, 0.9)),
+        "student": torch.optim.SGD(models["student"].parameters(), lr=0.5, momentum=0.9),
+    }
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s (noise, real rows) at ``step``, the same in every process."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(ROWS, 8, generator=gen), torch.randn(ROWS, 16, generator=gen)
+
+
+def gan_step(gen: nn.Module, disc: nn.Module, opts: dict, noise: torch.Tensor,
+             real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One discriminator step, then one generator step (non-saturating loss)."""
+    fake = gen(noise)
+    d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+    d_loss.backward()
+    opts["disc"].step()
+    opts["disc"].zero_grad()
+    g_loss = F.softplus(-disc(gen(noise))).mean()
+    g_loss.backward()
+    opts["gen"].step()
+    opts["gen"].zero_grad()
+    opts["disc"].zero_grad()  # the generator's loss gave the discriminator gradients too
+    return d_loss.detach(), g_loss.detach()
+
+
+def distill_step(teacher: nn.Module, student: nn.Module, opts: dict,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """One student step towards the frozen teacher's distribution."""
+    with torch.no_grad():
+        target = F.softmax(teacher(rows), dim=-1)
+    loss = F.kl_div(F.log_softmax(student(rows), dim=-1), target, reduction="batchmean")
+    loss.backward()
+    opts["student"].step()
+    opts["student"].zero_grad()
+    return loss.detach()
+
+
+def train(nets: dict[str, nn.Module], opts: dict, batches) -> list[list[float]]:
+    """``STEPS`` steps of both loops on ``batches(step)``; per step the discriminator's,
+    generator's and student's losses."""
+    losses = []
+    for step in range(STEPS):
+        noise, real = batches(step)
+        d_loss, g_loss = gan_step(nets["gen"], nets["disc"], opts, noise, real)
+        kd_loss = distill_step(nets["teacher"], nets["student"], opts, real)
+        losses.append(torch.stack([d_loss, g_loss, kd_loss]))
+    return losses
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of ``t``: its full tensor when it is a DTensor."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def state(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Every parameter of every model, full, keyed ``model.name``."""
+    return {f"{key}.{name}": full(p) for key, model in models.items()
+            for name, p in model.named_parameters()}
+
+
+def job_train(rank: int, world_size: int, mode: str) -> dict:
+    """Shard all four models, compile each on its own in "compiled" mode, train."""
+    models = build()
+    for model in models.values():
+        graphshard.shard(model)
+    if mode == "compiled":
+        nets = {key: torch.compile(model, backend="graphshard") for key, model in models.items()}
+    else:
+        nets = models
+    losses = train(nets, optimizers(models), lambda step: batch(step, rank))
+    means = []
+    for loss in losses:  # the rank mean, as the reference computes it
+        dist.all_reduce(loss)
+        means.append((loss / world_size).tolist())
+    left = sum(p.grad is not None for model in models.values() for p in model.parameters())
+    return {"losses": means, "state": state(models), "grads_left": left}
+
+
+def run_jobs(rank: int, world_size: int, modes: tuple[str, ...]) -> dict:
+    """Entry point of each rank: ``job_train`` in every mode; a job that raises records its
+    traceback under ``"error"``."""
+    counters = torch._dynamo.utils.counters
+    results: dict = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        graphs = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        try:
+            results[mode] = job_train(rank, world_size, mode)
+        except Exception:  # noqa: BLE001  (the test fails with it)
+            results[mode] = {"error": traceback.format_exc()}
+        results[mode]["graphs"] = counters["stats"]["unique_graphs"] - graphs
+        results[mode]["seconds"] = time.perf_counter() - start
+        dist.barrier()
+    return results
+
+
+def reference(world_size: int) -> dict:
+    """The same loops in one process, every rank's rows in one batch."""
+    models = build()
+
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces = [batch(step, r) for r in range(world_size)]
+        return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+
+    losses = train(models, optimizers(models), batches)
+    return {"losses": [loss.tolist() for loss in losses], "state": state(models)}
