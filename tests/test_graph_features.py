@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from graph_utils import TwoBlock, c10d, calls
 from torch import nn
@@ -111,3 +113,44 @@ def test_channels_last_shards_are_gathered_in_row_major_order(fake2):
         tuple(w.to_local().shape) for w in convs)
     for gather in calls(stages["fw"], AG):
         assert gather.args[0].meta["val"].is_contiguous()
+
+
+def _symints(graph: torch.fx.Graph) -> list[str]:
+    """Nodes of ``graph`` with a SymInt among their arguments (``str(node)`` each)."""
+    found = []
+    for node in graph.nodes:
+        leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        if any(isinstance(leaf, torch.SymInt) for leaf in leaves):
+            found.append(f"{node.format_node()}")
+    return found
+
+
+def test_a_second_model_of_the_same_class_gets_plain_int_shard_sizes():
+    """Two ``nn.Sequential`` of different widths share ``Sequential.forward``: Dynamo takes
+    the second compile for a recompile and traces the shards' sizes as SymInts (specialised
+    to constants). The passes turn them into ints: a SymInt among a node's arguments made
+    torch warn "Raw SymInt value ... passed as argument to Graph.create_node" (rank 1's
+    padding of its shorter shard) and ties the graph to a shape environment it does not own."""
+    from graph_utils import fake_process_group
+
+    with fake_process_group(2, rank=1):
+        torch.manual_seed(0)
+        first = graphshard.shard(nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16)))
+        second = graphshard.shard(nn.Sequential(nn.Linear(16, 31), nn.Tanh(), nn.Linear(31, 1)))
+        backend = graphshard.backend(inductor=False)
+        torch.compile(first, backend=backend)(torch.randn(4, 8)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            source = torch.randn(4, 16, requires_grad=True)
+            torch.compile(second, backend=backend)(source * 2).sum().backward()
+    assert len(backend.graphs) == 2
+    shard_rows = [n.meta["val"].shape[0] for n in backend.graphs[1]["bw"].graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor)
+                  and tuple(n.meta["val"].shape) == (15, 16)]
+    assert shard_rows, "rank 1's shard of the (31, 16) weight is no input of the backward"
+    for stages in backend.graphs:
+        for stage, gm in stages.items():
+            assert _symints(gm.graph) == [], stage
+    assert not [w for w in caught if "Raw SymInt" in str(w.message)]
+    grad = second[0].weight.grad
+    assert grad is not None and grad.to_local().shape == (15, 16)
