@@ -8,6 +8,7 @@ from graphshard.passes.bucketing import assign_buckets
 from graphshard.passes.dedupe import dedupe_unshard
 from graphshard.passes.fold_views import fold_views
 from graphshard.passes.grad_copy_stream import grad_copy_stream
+from graphshard.passes.inline_regions import inline_unsupported_regions
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.lower_reduce_grad import lower_reduce_grad
 from graphshard.passes.lower_unshard import lower_unshard
@@ -33,6 +34,7 @@ __all__ = [
     "Dim0Layout",
     "fold_views",
     "grad_copy_stream",
+    "inline_unsupported_regions",
     "is_reduce_grad",
     "is_unshard",
     "lower_reduce_grad",

@@ -31,7 +31,6 @@ __all__ = [
     "Dim0Layout",
     "eager",
     "rows_held",
-    "static_size",
     "gather_piece",
     "full_from_gathered",
     "rank_major",
@@ -47,22 +46,9 @@ def eager(target: Any, *args: Any, **kwargs: Any) -> Any:
     return target(*args, **kwargs)
 
 
-def static_size(size: int | torch.SymInt) -> int:
-    """A parameter's size as an int. A shard's sizes never change, but Dynamo traces them as
-    SymInts when it takes a compile for a recompile (a second model of the same class shares
-    its ``forward``); they are specialised to constants there. A SymInt must not reach a
-    node's arguments: it belongs to the trace's shape environment (torch warns "Raw SymInt
-    value ... passed as argument to Graph.create_node")."""
-    if isinstance(size, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import guard_int
-
-        return guard_int(size)
-    return size
-
-
 def rows_held(local_shape: Sequence[int]) -> int:
     """Rows of dim 0 in a rank's local tensor (a 0-D value counts as one row)."""
-    return static_size(local_shape[0]) if len(local_shape) else 1
+    return local_shape[0] if len(local_shape) else 1
 
 
 @dataclass(frozen=True)
@@ -73,7 +59,7 @@ class Dim0Layout:
     world: int
 
     def __init__(self, full_shape: Sequence[int], world: int) -> None:
-        object.__setattr__(self, "full_shape", tuple(static_size(s) for s in full_shape))
+        object.__setattr__(self, "full_shape", tuple(full_shape))
         object.__setattr__(self, "world", int(world))
 
     @property

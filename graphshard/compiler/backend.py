@@ -125,12 +125,30 @@ class _Untraced:
         """AOTAutograd and the passes once more, on fake tensors and without Inductor or
         its cache, the backward traced at once: ``stages`` gets every graph a compile
         that missed the cache would have kept."""
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+        from torch._dynamo.symbolic_convert import TensorifyState
         from torch._functorch import config as functorch_config
 
         finish = functools.partial(_eager, share=None)
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
-                                         finish, cached=False)
+        specialised = set(TensorifyState.force_specializations)
+        try:
+            for attempt in range(2):
+                try:
+                    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                        self.backend._compile_stages(self.gm, self.inputs, self.stages,
+                                                     self.dumper, finish, cached=False)
+                    return
+                except TensorifyScalarRestartAnalysis:
+                    # A float of the graph that its compile specialised (Dynamo restarted
+                    # that compile); the pass has noted it, so the second attempt keeps it.
+                    for stage in [name for name in self.stages if name != "dynamo"]:
+                        del self.stages[stage]
+                    if attempt:
+                        raise
+        finally:
+            TensorifyState.clear()
+            for name in specialised:
+                TensorifyState.specialize(name)
 
 
 def _with_backward_now(compile_graph: Any) -> Any:

@@ -1,7 +1,9 @@
 """The pass pipeline: which graph passes run at which stage of a compile, in what order.
 
 Stages and their passes (each dumped before and after when a dump directory is set):
-- ``dynamo``: ``dedupe_unshard`` (one marker per shard, so tied weights gather once),
+- ``dynamo``: ``inline_unsupported_regions`` (a block region called with a float operand,
+  which ``invoke_subgraph`` refuses, becomes inline code), ``dedupe_unshard`` (one marker
+  per shard, so tied weights gather once),
   ``parameters_first_in_regions`` (a block region's gathered parameters become its first
   inputs, which its partitioner relies on);
 - ``joint``: ``rewire_region_passthrough`` (a block region's parameter operand, saved for its
@@ -38,6 +40,7 @@ from graphshard.passes import (
     dedupe_unshard,
     fold_views,
     grad_copy_stream,
+    inline_unsupported_regions,
     lower_reduce_grad,
     lower_unshard,
     merge_reduce_grad,
@@ -59,7 +62,7 @@ __all__ = ["PIPELINE", "Pass", "run_passes", "record_group_facts"]
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
-    "dynamo": [dedupe_unshard, parameters_first_in_regions],
+    "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions],
     "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream],
