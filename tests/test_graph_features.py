@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from graph_utils import TwoBlock, c10d, calls
 from torch import nn
@@ -115,22 +116,33 @@ def test_channels_last_shards_are_gathered_in_row_major_order(fake2):
         assert gather.args[0].meta["val"].is_contiguous()
 
 
+
 def _symints(graph: torch.fx.Graph) -> list[str]:
-    """Nodes of ``graph`` with a SymInt among their arguments (``str(node)`` each)."""
+    """Nodes of ``graph`` with a SymInt among their arguments."""
     found = []
     for node in graph.nodes:
         leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
         if any(isinstance(leaf, torch.SymInt) for leaf in leaves):
-            found.append(f"{node.format_node()}")
+            found.append(node.format_node())
     return found
 
 
-def test_a_second_model_of_the_same_class_gets_plain_int_shard_sizes():
-    """Two ``nn.Sequential`` of different widths share ``Sequential.forward``: Dynamo takes
-    the second compile for a recompile and traces the shards' sizes as SymInts (specialised
-    to constants). The passes turn them into ints: a SymInt among a node's arguments made
-    torch warn "Raw SymInt value ... passed as argument to Graph.create_node" (rank 1's
-    padding of its shorter shard) and ties the graph to a shape environment it does not own."""
+def _shard_input_sizes(dynamo: torch.fx.GraphModule) -> dict[str, tuple]:
+    """The sizes of the Dynamo graph's inputs that graphshard owns: every parameter's local
+    tensor and every bucket's storage."""
+    return {n.name: tuple(n.meta["example_value"].shape) for n in dynamo.graph.nodes
+            if n.op == "placeholder" and "graphshard" in n.name}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["recompiled", "dynamic"])
+def test_shard_sizes_stay_static_as_a_parameters_do(dynamic):
+    """graphshard's plain local tensors and storages have static sizes in the traced graphs,
+    as Dynamo keeps a Parameter's, also where it makes other sizes dynamic: under
+    ``dynamic=True``, and for a second model of the same class (``Sequential.forward`` again:
+    Dynamo takes the compile for a recompile). Before, their sizes were SymInts there: every
+    kernel of the model was compiled for symbolic sizes, and rank 1's padding of its shorter
+    shard passed a raw SymInt to a node ("Raw SymInt value ... passed as argument to
+    Graph.create_node")."""
     from graph_utils import fake_process_group
 
     with fake_process_group(2, rank=1):
@@ -138,19 +150,19 @@ def test_a_second_model_of_the_same_class_gets_plain_int_shard_sizes():
         first = graphshard.shard(nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16)))
         second = graphshard.shard(nn.Sequential(nn.Linear(16, 31), nn.Tanh(), nn.Linear(31, 1)))
         backend = graphshard.backend(inductor=False)
-        torch.compile(first, backend=backend)(torch.randn(4, 8)).sum().backward()
+        torch.compile(first, backend=backend, dynamic=dynamic)(torch.randn(4, 8)).sum().backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             source = torch.randn(4, 16, requires_grad=True)
-            torch.compile(second, backend=backend)(source * 2).sum().backward()
+            out = torch.compile(second, backend=backend, dynamic=dynamic)(source * 2)
+            out.sum().backward()
     assert len(backend.graphs) == 2
-    shard_rows = [n.meta["val"].shape[0] for n in backend.graphs[1]["bw"].graph.nodes
-                  if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor)
-                  and tuple(n.meta["val"].shape) == (15, 16)]
-    assert shard_rows, "rank 1's shard of the (31, 16) weight is no input of the backward"
     for stages in backend.graphs:
+        sizes = _shard_input_sizes(stages["dynamo"])
+        assert len(sizes) == 6, sizes  # two weights, their storages, two biases
+        assert all(type(s) is int for shape in sizes.values() for s in shape), sizes
         for stage, gm in stages.items():
             assert _symints(gm.graph) == [], stage
+    assert (15, 16) in _shard_input_sizes(backend.graphs[1]["dynamo"]).values()  # rank 1's rows
     assert not [w for w in caught if "Raw SymInt" in str(w.message)]
-    grad = second[0].weight.grad
-    assert grad is not None and grad.to_local().shape == (15, 16)
+    assert second[0].weight.grad.to_local().shape == (15, 16)

@@ -176,6 +176,7 @@ def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> bool:
             offset += piece
     for e, local in zip(group.entries, made, strict=True):
         e.param._local_tensor = local  # as FSDP2 re-points a sharded parameter
+    torch._dynamo.mark_static(flat)  # a graph input, static as a Parameter (see set_local)
     group.flat, group.locals = flat, made
     return True
 

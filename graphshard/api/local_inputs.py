@@ -192,7 +192,15 @@ def attach_local(entry: ShardedParam) -> None:
 
 def set_local(entry: ShardedParam, local: torch.Tensor | None) -> None:
     """Make ``local`` the plain tensor of ``entry``, where traced code reads it too: the
-    owning modules' dicts of plain tensors (``entry.local_slots``)."""
+    owning modules' dicts of plain tensors (``entry.local_slots``).
+
+    Its sizes are marked static, as Dynamo keeps a Parameter's
+    (``force_parameter_static_shapes``): a plain tensor would otherwise get dynamic sizes
+    when Dynamo takes a compile for a recompile, as it does for a second model of the same
+    class (a student beside its teacher), and that compile would trace every size of the
+    model symbolically."""
+    if local is not None:
+        torch._dynamo.mark_static(local)
     entry.local = local
     for slot, name in entry.local_slots:
         slot[name] = local
