@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.plan import Plan
 from graphshard.passes.regions import is_region_call, region_body
 
@@ -62,7 +63,10 @@ def _inline(graph: fx.Graph, call: fx.Node) -> None:
     outputs = body.graph.output_node().args[0]
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
-            raise AssertionError(f"a region's output is read by {user.format_node()}")
+            raise GraphLoweringError(
+                f"cannot inline the block region {call.name}: its output is read by "
+                f"{user.format_node()}, not by an index; compile the model with "
+                "shard(..., compile_blocks_once=False)")
         user.replace_all_uses_with(env[outputs[user.args[1]]])
         graph.erase_node(user)
     body_attr = call.args[0]
