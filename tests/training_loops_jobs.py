@@ -1,5 +1,7 @@
-"""Rank jobs of ``test_two_models``: two sharded models in one training step, as users write
-GANs and distillation, against the same loop in one process.
+"""Rank jobs of ``test_training_loops``: training loops as users write them, against the same
+loop in one process.
+
+Two sharded models in one step (``job_two_models``):
 
 - ``gan``: a generator and a discriminator, each sharded and (in "compiled" mode) compiled on
   its own, each with its own Adam. The discriminator's loss runs it twice (real rows, then the
@@ -8,6 +10,11 @@ GANs and distillation, against the same loop in one process.
   (``zero_grad`` drops them), as in every GAN loop.
 - ``distill``: a frozen teacher in ``eval()`` under ``torch.no_grad()`` and a student trained
   on the KL divergence to it; both sharded.
+
+Blocks compiled one by one (``job_block_compile``), as torchtitan and FSDP2 users compile:
+a Hugging Face Llama sharded whole, then each decoder layer compiled on its own
+(``layer.compile(backend="graphshard")``) while the embedding, the final norm and the output
+layer run eagerly.
 
 Every rank draws its own rows; the reference runs all ranks' rows in one batch, which gives
 the same means (every rank holds as many rows).
@@ -107,12 +114,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def state(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
-    """Every parameter of every model, full, keyed ``model.name``."""
-    return {f"{key}.{name}": full(p) for key, model in models.items()
+    """Every parameter of every model, full, keyed ``model.name`` (``name`` for key "")."""
+    return {f"{key}.{name}" if key else name: full(p) for key, model in models.items()
             for name, p in model.named_parameters()}
 
 
-def job_train(rank: int, world_size: int, mode: str) -> dict:
+def job_two_models(rank: int, world_size: int, mode: str) -> dict:
     """Shard all four models, compile each on its own in "compiled" mode, train."""
     models = build()
     for model in models.values():
@@ -130,26 +137,96 @@ def job_train(rank: int, world_size: int, mode: str) -> dict:
     return {"losses": means, "state": state(models), "grads_left": left}
 
 
-def run_jobs(rank: int, world_size: int, modes: tuple[str, ...]) -> dict:
-    """Entry point of each rank: ``job_train`` in every mode; a job that raises records its
+# ------------------------------------------------------------- blocks compiled one by one
+
+LLAMA_STEPS = 3
+
+
+def llama() -> nn.Module:
+    """A small Hugging Face Llama from seed 0 (3 decoder layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False))  # fmt: skip
+
+
+def token_ids(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s token ids at ``step``."""
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def train_llama(model: nn.Module, batches) -> list[float]:
+    """``LLAMA_STEPS`` steps of SGD with momentum on the causal LM loss of ``batches(step)``
+    (a list of token-id batches whose losses are averaged)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        rows = batches(step)
+        loss = sum(model(input_ids=ids, labels=ids).loss for ids in rows) / len(rows)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def job_block_compile(rank: int, world_size: int, mode: str) -> dict:
+    """Shard the whole model, then compile each decoder layer on its own: in place
+    (``layer.compile``) or as torch.compile's wrapper put back in the list."""
+    model = llama()
+    graphshard.shard(model)
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        if mode == "module_compile":  # else "wrapped"
+            layer.compile(backend="graphshard")
+        else:
+            layers[index] = torch.compile(layer, backend="graphshard")
+    losses = train_llama(model, lambda step: [token_ids(step, rank)])
+    means = []
+    for loss in losses:
+        dist.all_reduce(loss)
+        means.append((loss / world_size).item())
+    params = {name.replace("._orig_mod", ""): full(p) for name, p in model.named_parameters()}
+    return {"losses": means, "state": params}
+
+
+def reference_block_compile(world_size: int) -> dict:
+    """The plain model, every rank's batch each step, in one process."""
+    model = llama()
+    losses = train_llama(model, lambda step: [token_ids(step, r) for r in range(world_size)])
+    return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
+
+
+# --------------------------------------------------------------------------- launch
+
+JOBS = {"two_models": job_two_models, "block_compile": job_block_compile}
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
+    """Entry point of each rank: every ``(job, mode)`` in turn; a job that raises records its
     traceback under ``"error"``."""
     counters = torch._dynamo.utils.counters
     results: dict = {}
-    for mode in modes:
+    for job in jobs:
         torch._dynamo.reset()
         graphs = counters["stats"]["unique_graphs"]
+        breaks = sum(counters["graph_break"].values())
         start = time.perf_counter()
         try:
-            results[mode] = job_train(rank, world_size, mode)
+            results[job] = JOBS[job[0]](rank, world_size, job[1])
         except Exception:  # noqa: BLE001  (the test fails with it)
-            results[mode] = {"error": traceback.format_exc()}
-        results[mode]["graphs"] = counters["stats"]["unique_graphs"] - graphs
-        results[mode]["seconds"] = time.perf_counter() - start
+            results[job] = {"error": traceback.format_exc()}
+        results[job]["graphs"] = counters["stats"]["unique_graphs"] - graphs
+        results[job]["breaks"] = sum(counters["graph_break"].values()) - breaks
+        results[job]["seconds"] = time.perf_counter() - start
         dist.barrier()
     return results
 
 
-def reference(world_size: int) -> dict:
+def reference_two_models(world_size: int) -> dict:
     """The same loops in one process, every rank's rows in one batch."""
     models = build()
 

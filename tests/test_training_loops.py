@@ -1,0 +1,80 @@
+"""Training loops as users write them, eager and compiled on 2 gloo ranks, against one
+process (``training_loops_jobs``): two sharded models in one step (a GAN, a frozen teacher
+with its student), and a Hugging Face Llama whose decoder layers are compiled one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from training_loops_jobs import (
+    LLAMA_STEPS,
+    MODES,
+    STEPS,
+    build,
+    reference_block_compile,
+    reference_two_models,
+    run_jobs,
+)
+
+WORLD = 2
+BLOCK_COMPILES = ("module_compile", "wrapped")
+JOBS = [("two_models", mode) for mode in MODES] + [("block_compile", how)
+                                                   for how in BLOCK_COMPILES]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    pytest.importorskip("transformers")
+    return run_ranks(run_jobs, WORLD, JOBS)
+
+
+def _result(ranks: list[dict], job: tuple[str, str]) -> list[dict]:
+    for rank, res in enumerate(ranks):
+        if "error" in res[job]:
+            pytest.fail(f"{job}, rank {rank} raised:\n{res[job]['error']}")
+    return [res[job] for res in ranks]
+
+
+def _assert_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gan_and_a_distillation_train_like_one_process(ranks, mode):
+    """Losses of every step and every parameter of all four models match one process; the
+    frozen teacher is unchanged; no gradient is left after the loops' ``zero_grad``."""
+    plain = reference_two_models(WORLD)
+    results = _result(ranks, ("two_models", mode))
+    want = torch.tensor(plain["losses"])
+    assert want.shape == (STEPS, 3)
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["losses"]), want, rtol=1e-5, atol=1e-6)
+        _assert_state(res["state"], plain["state"])
+        assert res["grads_left"] == 0
+    initial = {f"teacher.{n}": p for n, p in build()["teacher"].named_parameters()}
+    for name, value in initial.items():
+        assert torch.equal(results[0]["state"][name], value)
+    # the discriminator and the generator moved: the loops trained something
+    start = {f"{k}.{n}": p for k, m in build().items() for n, p in m.named_parameters()}
+    assert not torch.equal(results[0]["state"]["disc.0.weight"], start["disc.0.weight"])
+    assert not torch.equal(results[0]["state"]["gen.2.weight"], start["gen.2.weight"])
+    if mode == "compiled":
+        assert results[0]["graphs"] >= 4  # every model ran through its compiled graphs
+
+
+@pytest.mark.parametrize("how", BLOCK_COMPILES)
+def test_decoder_layers_compiled_one_by_one_train_like_one_process(ranks, how):
+    """``layer.compile(backend="graphshard")`` on each layer of a sharded Hugging Face Llama
+    (or ``torch.compile(layer, ...)`` put back in the ``ModuleList``): each layer's graph
+    gathers and reduces its own parameters, the rest of the model reads its shards eagerly,
+    and training matches one process."""
+    plain = reference_block_compile(WORLD)
+    for res in _result(ranks, ("block_compile", how)):
+        assert len(res["losses"]) == LLAMA_STEPS
+        torch.testing.assert_close(res["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+        _assert_state(res["state"], plain["state"])
+        assert res["graphs"] >= 1 and res["breaks"] == 0
