@@ -197,8 +197,8 @@ def set_local(entry: ShardedParam, local: torch.Tensor | None) -> None:
     Its sizes are marked static, as Dynamo keeps a Parameter's
     (``force_parameter_static_shapes``): a plain tensor would otherwise get dynamic sizes
     when Dynamo takes a compile for a recompile, as it does for a second model of the same
-    class (a student beside its teacher), and that compile would trace every size of the
-    model symbolically."""
+    class (a student beside its teacher), or under ``dynamic=True``, and the compile would
+    trace the weights' sizes symbolically."""
     if local is not None:
         torch._dynamo.mark_static(local)
     entry.local = local
