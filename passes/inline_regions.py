@@ -22,18 +22,23 @@ from torch import fx
 
 from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.plan import Plan
-from graphshard.passes.regions import is_region_call, region_body
+from graphshard.passes.regions import region_body, region_calls
 
-__all__ = ["inline_unsupported_regions", "region_operand_ok"]
+__all__ = ["inline_unsupported_regions"]
 
 
-def region_operand_ok(operand: Any) -> bool:
-    """Whether ``invoke_subgraph`` takes ``operand`` (a graph node by its traced value):
-    tensors, ints, SymInts, generators and ``None``."""
-    if isinstance(operand, fx.Node):
-        operand = operand.meta.get("example_value", operand.meta.get("val"))
-    return operand is None or isinstance(
-        operand, (torch.Tensor, int, torch.SymInt, torch.Generator))
+def _traced(value: Any) -> Any:
+    """``value``, or the value a graph node was traced with."""
+    if isinstance(value, fx.Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
+
+
+def _operand_ok(operand: Any) -> bool:
+    """Whether ``invoke_subgraph`` takes ``operand``: tensors, ints, SymInts, generators and
+    ``None``."""
+    value = _traced(operand)
+    return value is None or isinstance(value, (torch.Tensor, int, torch.SymInt, torch.Generator))
 
 
 def _inline(graph: fx.Graph, call: fx.Node) -> None:
@@ -73,6 +78,8 @@ def _inline(graph: fx.Graph, call: fx.Node) -> None:
     graph.erase_node(call)
     if not body_attr.users:
         graph.erase_node(body_attr)
+        if not any(n.op == "get_attr" and n.target == body_attr.target for n in graph.nodes):
+            owner.delete_submodule(body_attr.target)  # no call of that body is left
 
 
 def _reads_number(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
@@ -85,15 +92,12 @@ def _reads_number(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
     source = node.args[0]
     if not isinstance(source, fx.Node) or source.op != "placeholder":
         return False
-    value = env[source]
-    if isinstance(value, fx.Node):
-        value = value.meta.get("example_value", value.meta.get("val"))
-    return not isinstance(value, torch.Tensor)
+    return not isinstance(_traced(env[source]), torch.Tensor)
 
 
 def _takes_a_float(call: fx.Node) -> bool:
     """Whether region call ``call`` passes a float or runs a body that reads one."""
-    if not all(region_operand_ok(op) for op in call.args[2:]):
+    if not all(_operand_ok(op) for op in call.args[2:]):
         return True
     return any(n.op == "call_method" and n.target == "item" and n.args[0].op == "placeholder"
                for n in region_body(call).graph.nodes)
@@ -105,7 +109,7 @@ def inline_unsupported_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule
     for module in list(gm.modules()):
         if not isinstance(module, fx.GraphModule):
             continue
-        calls = [n for n in module.graph.nodes if is_region_call(n) and _takes_a_float(n)]
+        calls = [call for call in region_calls(module) if _takes_a_float(call)]
         for call in calls:
             _inline(module.graph, call)
         if calls:

@@ -60,6 +60,8 @@ def test_blocks_given_a_dynamic_float_are_inlined_into_one_graph():
     first, second = (stages["dynamo"] for stages in backend.graphs)
     assert len(list(region_calls(first))) == 3
     assert list(region_calls(second)) == []
+    referenced = {n.target for n in second.graph.nodes if n.op == "get_attr"}
+    assert {name for name, _ in second.named_children()} <= referenced  # no dead body left
     unshard = torch.ops.graphshard.unshard.default
     gathered = [n for n in second.graph.nodes if n.target is unshard]
     assert len(gathered) == 2 * 3 + 4  # every block's weight and bias, embed and head

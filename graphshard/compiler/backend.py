@@ -130,21 +130,21 @@ class _Untraced:
         from torch._functorch import config as functorch_config
 
         finish = functools.partial(_eager, share=None)
+
+        def trace_once() -> None:
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                self.backend._compile_stages(self.gm, self.inputs, self.stages, self.dumper,
+                                             finish, cached=False)
+
         specialised = set(TensorifyState.force_specializations)
         try:
-            for attempt in range(2):
-                try:
-                    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                        self.backend._compile_stages(self.gm, self.inputs, self.stages,
-                                                     self.dumper, finish, cached=False)
-                    return
-                except TensorifyScalarRestartAnalysis:
-                    # A float of the graph that its compile specialised (Dynamo restarted
-                    # that compile); the pass has noted it, so the second attempt keeps it.
-                    for stage in [name for name in self.stages if name != "dynamo"]:
-                        del self.stages[stage]
-                    if attempt:
-                        raise
+            trace_once()
+        except TensorifyScalarRestartAnalysis:
+            # A float of the graph that its compile specialised (Dynamo restarted that
+            # compile): the pass has noted it, so a second trace keeps it specialised.
+            for stage in [name for name in self.stages if name != "dynamo"]:
+                del self.stages[stage]
+            trace_once()
         finally:
             TensorifyState.clear()
             for name in specialised:
