@@ -174,8 +174,45 @@ def job_unreadable(rank: int, world_size: int, mode: str, paths: tuple[str, ...]
     return {"error": error}
 
 
+def job_export(rank: int, world_size: int, mode: str, path: str,
+               outs: tuple[tuple[str, str], ...]) -> dict:
+    """Load ``path``, train ``STEPS`` steps, then write a Hugging Face checkpoint each way
+    of ``docs/large-models.md`` (``outs``: pairs of way and directory):
+
+    - ``"save_pretrained"``: the full state dict on rank 0's host, written there by
+      ``save_pretrained(state_dict=...)``;
+    - ``"dcp"``: every rank writes its rows through DCP's ``HuggingFaceStorageWriter``,
+      which consolidates them.
+
+    The trained parameters are returned, to compare with what ``from_pretrained`` reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    outs = dict(outs)
+    model, _ = build_sharded(path)
+    graphshard.init_non_persistent_buffers(model)
+    net = torch.compile(model, backend="graphshard") if mode == "compiled" else model
+    graphshard.load_safetensors(net, path)
+    train(net, make_optimizer(net.parameters()), [rank])
+
+    full_state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(outs["save_pretrained"], state_dict=full_state)
+
+    sharded_state = get_model_state_dict(model)
+    if model.config.tie_word_embeddings:  # safetensors stores a shared tensor once
+        del sharded_state["lm_head.weight"]
+    dcp.save(sharded_state, storage_writer=dcp.HuggingFaceStorageWriter(
+        outs["dcp"], save_distributed=True, enable_consolidation=True))
+    if rank == 0:
+        model.config.save_pretrained(outs["dcp"])
+    dist.barrier()
+    return {"final": params(model)}
+
+
 JOBS: dict[str, Callable[..., dict]] = {
-    "train": job_train, "bad": job_bad, "unreadable": job_unreadable,
+    "train": job_train, "bad": job_bad, "unreadable": job_unreadable, "export": job_export,
 }
 
 

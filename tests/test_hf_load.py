@@ -1,4 +1,5 @@
-"""Hugging Face weights into a sharded model, against ``from_pretrained`` in one process.
+"""Hugging Face weights into a sharded model, against ``from_pretrained`` in one process,
+and back out.
 
 A small random Llama (``tie_word_embeddings`` True and False) is written with
 ``save_pretrained`` to a temporary directory (no hub). On 2 gloo ranks (one ``run_ranks``
@@ -9,6 +10,9 @@ loads the directory either way (rank 0 reads and broadcasts; every rank reads it
 then trains 3 SGD (momentum) steps, eagerly and compiled. It must hold exactly what
 ``from_pretrained`` loads and train like it: the same losses per step and final parameters.
 Loading the directory of another config raises, naming the keys, and writes nothing.
+Written back out in the Hugging Face format after training (``save_pretrained`` of the full
+state dict, or DCP's ``HuggingFaceStorageWriter``), ``from_pretrained`` reads exactly the
+trained parameters.
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ def _train_job(dirs: dict, tie: bool, way: str, mode: str) -> tuple:
     return ("train", mode, _dir(dirs, tie), ways)
 
 
+EXPORT_WAYS = ("save_pretrained", "dcp")
+
+
+@pytest.fixture(scope="module")
+def export_dirs(tmp_path_factory) -> dict:
+    """Per tie, per way of writing: an empty directory for the trained model."""
+    return {tie: {way: str(tmp_path_factory.mktemp(f"export_{tie}_{way}"))
+                  for way in EXPORT_WAYS} for tie in TIES}
+
+
+def _export_job(dirs: dict, export_dirs: dict, tie: bool) -> tuple:
+    return ("export", "compiled", _dir(dirs, tie), tuple(export_dirs[tie].items()))
+
+
 def _unreadable(dirs: dict, way: str) -> tuple[str, str]:
     """Per rank, the directory it loads: rank 0 (the reader, with ``rank0``) gets none."""
     missing = dirs["tied"] + "-missing"
@@ -69,8 +87,9 @@ def _unreadable(dirs: dict, way: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ranks(dirs) -> list[dict]:
+def ranks(dirs, export_dirs) -> list[dict]:
     jobs = list(dict.fromkeys(_train_job(dirs, t, w, m) for t, w, m in TRAIN))
+    jobs += [_export_job(dirs, export_dirs, t) for t in TIES]
     jobs += [("bad", "eager", _dir(dirs, t), dirs["other"], w) for t, w in BAD]
     jobs += [("unreadable", "eager", _unreadable(dirs, w), w) for w in WAYS]
     return run_ranks(run_jobs, WORLD, jobs)
@@ -177,6 +196,26 @@ def test_a_rank_that_cannot_read_makes_every_rank_raise(ranks, dirs, way):
         assert kind == "GraphshardFileNotFoundError"  # a FileNotFoundError too
         assert "-missing is not a directory" in message
         assert ("(raised on rank" in message) is (rank != bad_rank)
+
+
+@pytest.mark.parametrize("way", EXPORT_WAYS)
+@pytest.mark.parametrize("tie", TIES, ids=["tied", "untied"])
+def test_trained_model_written_for_from_pretrained(ranks, dirs, export_dirs, tie, way):
+    """The Hugging Face checkpoint of the trained sharded model holds its trained values,
+    every one, and ``from_pretrained`` ties the head again."""
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for rank, res in enumerate(ranks):
+        got = res[_export_job(dirs, export_dirs, tie)]
+        if "failed" in got:
+            pytest.fail(f"rank {rank} raised:\n{got['failed']}")
+        results.append(got)
+    back = AutoModelForCausalLM.from_pretrained(export_dirs[tie][way])
+    _assert_equal(params(back), results[0]["final"])
+    assert (back.lm_head.weight is back.model.embed_tokens.weight) is tie
+    loaded = _reference(_dir(dirs, tie))["loaded"]
+    assert all(not torch.equal(loaded[k], v) for k, v in results[0]["final"].items())
 
 
 # --------------------------------------------------------------------------- one process
