@@ -8,6 +8,7 @@ launching test as it is at the launch (:func:`in_launch_env`)."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -50,7 +51,10 @@ def rank_context() -> multiprocessing.context.BaseContext:
 
 def in_launch_env(rank: int, env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(rank, *args)`` with the launching process's environment ``env``: a forked
-    rank would otherwise see the fork server's, as it was when the server started."""
+    rank would otherwise see the fork server's, as it was when the server started. A rank
+    killed by a signal (SIGSEGV, SIGABRT from glibc's heap checks) prints every thread's
+    Python stack to the test's captured stderr first."""
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     return fn(rank, *args)
