@@ -32,6 +32,7 @@ from graphshard.compiler.cache_key import (
     plan_in_cache_key,
     plan_out_of_fx_key,
 )
+from graphshard.compiler.compile_modes import inductor_config_for, without_cuda_graphs
 from graphshard.compiler.dump import GraphDumper, dump_dir_from_env
 from graphshard.compiler.graph_breaks import TRACKER
 from graphshard.compiler.inductor_joint import inductor_joint_passes
@@ -184,6 +185,11 @@ class GraphshardBackend:
             rank compiles for itself.
         share_timeout_s: how long a rank waits for another rank's artifacts before it
             compiles the graph itself (default 900 s).
+        mode: torch.compile's mode, for Inductor (``"max-autotune-no-cudagraphs"``, ...;
+            :mod:`graphshard.compiler.compile_modes`): applied to every Inductor compile of
+            the step. ``torch.compile(model, backend="graphshard", mode=...)`` sets it.
+            Modes with CUDA graphs raise on a CUDA graph. None (default): Inductor's
+            defaults.
         aot_cache: let AOTAutograd's own cache (``AOTAutogradCache``) answer a graph it has
             seen, keyed by the Dynamo graph, the plan and graphshard's source
             (:func:`graphshard.compiler.cache_key.plan_in_cache_key`): a warm restart then
@@ -200,7 +206,8 @@ class GraphshardBackend:
     Raises:
         GraphshardTypeError: an unknown option, or an option of the wrong type (a str for
             ``prefetch_depth``, ``"no"`` for a bool); checked here, before any compile.
-        GraphshardValueError: an option's value is out of range (``prefetch_depth=-1``).
+        GraphshardValueError: an option's value is out of range (``prefetch_depth=-1``), an
+            unknown ``mode``, or a ``mode`` with ``inductor=False``.
         GraphshardNotImplementedError: ``aot_cache=True`` on a torch whose AOTAutogradCache
             cannot hold graphshard's graphs (torch 2.11; 2.13 and newer can).
     """
@@ -208,16 +215,22 @@ class GraphshardBackend:
     def __init__(
         self, *, dump_dir: str | None = None, inductor: bool = True,
         share_compiled: bool | str = "auto", share_timeout_s: float = 900.0,
-        aot_cache: bool | str = "auto",
+        aot_cache: bool | str = "auto", mode: str | None = None,
         **plan_options: Any,
     ) -> None:
         unknown = set(plan_options) - {f.name for f in fields(Plan)}
         if unknown:
             known = ", ".join(["dump_dir", "inductor", "share_compiled", "share_timeout_s",
-                               "aot_cache",
+                               "aot_cache", "mode",
                                *(f.name for f in fields(Plan))])
+            from torch._inductor import config as inductor_config
+
+            inductor_names = sorted(n for n in unknown if hasattr(inductor_config, n))
+            hint = (f" ({', '.join(inductor_names)}: Inductor's, set on torch._inductor.config, "
+                    "which graphshard's compiles read, or chosen by torch.compile's mode)"
+                    if inductor_names else "")
             raise GraphshardTypeError(f"Unknown graphshard backend option(s) {sorted(unknown)}; "
-                            f"known: {known}")
+                                      f"known: {known}{hint}")
         if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
             raise GraphshardTypeError(
                 f"graphshard backend option dump_dir must be a directory path (a str or "
@@ -242,6 +255,8 @@ class GraphshardBackend:
             )
         self.dump_dir = dump_dir
         self.inductor = inductor
+        self.mode = mode
+        self._mode_config = inductor_config_for(mode, inductor)
         if not (isinstance(aot_cache, bool) or aot_cache == "auto"):
             raise GraphshardTypeError(
                 f"graphshard backend option aot_cache must be True, False or 'auto', got "
@@ -280,6 +295,16 @@ class GraphshardBackend:
         return self._graphs
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        if not self._mode_config:
+            return self._compile(gm, example_inputs, lazy_backward=True)
+        config = without_cuda_graphs(self._mode_config, self.mode, example_inputs)
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(config):  # the backward too: compiled now, under it
+            return self._compile(gm, example_inputs, lazy_backward=False)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 lazy_backward: bool) -> Any:
         initialised = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if initialised else 0
         refuse_unsharded_parameters(example_inputs, dist.get_world_size() if initialised else 1)
@@ -301,7 +326,7 @@ class GraphshardBackend:
                 gm, example_inputs, _with_backward_now(compile_graph), plan=repr(self.plan),
                 shards=repr(inner_tensor_layouts(example_inputs)))
         else:
-            compiled = compile_graph()
+            compiled = compile_graph() if lazy_backward else _with_backward_now(compile_graph)()
         if not stages.get("fw") and not stages.get("inference"):
             self.aot_cache_hits += 1  # AOTAutogradCache answered: no pass ran
             untraced = _Untraced(self, gm, _fake_inputs(gm, example_inputs), stages, dumper)
@@ -394,9 +419,17 @@ def backend(**options: Any) -> GraphshardBackend:
     return GraphshardBackend(**options)
 
 
-def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """The backend registered with Dynamo under the name ``graphshard``."""
-    return GraphshardBackend()(gm, example_inputs)
+def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                     mode: str | None = None, options: dict[str, Any] | None = None):
+    """The backend registered with Dynamo under the name ``graphshard``: torch.compile's
+    ``options`` are :func:`backend`'s options, its ``mode`` Inductor's
+    (:mod:`graphshard.compiler.compile_modes`)."""
+    if options is not None and not isinstance(options, dict):
+        raise GraphshardTypeError(
+            f"torch.compile(..., backend='graphshard', options=...) takes a dict of graphshard "
+            f"backend options, got {type(options).__name__}")
+    return GraphshardBackend(**(options or {}), **({} if mode is None else {"mode": mode}))(
+        gm, example_inputs)
 
 
 try:  # also reachable through the ``torch_dynamo_backends`` entry point of the installed package

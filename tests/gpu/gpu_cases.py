@@ -135,6 +135,28 @@ def case_coalesced(world: World, precision: str) -> None:
     check(out, ref, precision, _what(world, "compiled", "coalesced", precision))
 
 
+def case_compile_mode(world: World) -> None:
+    """``torch.compile``'s ``mode`` through the backend (``mode="max-autotune-no-cudagraphs"``:
+    Inductor autotunes the step's kernels, forward and backward) trains like one process; a
+    mode that records CUDA graphs raises on the GPU, naming the mode without them."""
+    import pytest
+
+    from graphshard.errors import GraphshardNotImplementedError
+
+    job = llama_job()
+    out = train(world, shard_job(world, job), job, "compiled",
+                backend_options={"mode": "max-autotune-no-cudagraphs"})
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, "compiled", "max-autotune-no-cudagraphs"))
+    with pytest.raises(Exception, match="max-autotune-no-cudagraphs") as raised:
+        train(world, shard_job(world, job), job, "compiled",
+              backend_options={"mode": "max-autotune"})
+    cause = raised.value
+    while cause is not None and not isinstance(cause, GraphshardNotImplementedError):
+        cause = cause.__cause__
+    assert cause is not None, repr(raised.value)
+
+
 # --------------------------------------------------------------------------- building, loading
 
 

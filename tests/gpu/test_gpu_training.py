@@ -1,5 +1,6 @@
 """CUDA, NCCL world 1: training against one process, eager and compiled: fp32, bf16 and
-fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing."""
+fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing, and
+``torch.compile``'s mode for Inductor."""
 
 from __future__ import annotations
 
@@ -25,3 +26,7 @@ def test_no_sync(nccl_world, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_activation_checkpointing(nccl_world, mode):
     gpu_cases.case_activation_checkpointing(nccl_world, mode)
+
+
+def test_compile_mode(nccl_world):
+    gpu_cases.case_compile_mode(nccl_world)
