@@ -114,3 +114,23 @@ def test_bad_modes_and_inductor_settings_say_what_to_change():
     with pytest.raises(GraphshardTypeError, match=r"max_autotune: Inductor's, set on "
                        r"torch._inductor.config"):
         graphshard.backend(max_autotune=True)
+
+
+def test_a_backend_object_takes_torch_compiles_mode_and_refuses_its_options(one_rank):
+    """torch hands a backend object torch.compile's ``mode`` and ``options`` too."""
+    model = graphshard.shard(_model())
+    # on the CPU, reduce-overhead's CUDA graphs are left out (as Inductor does there)
+    _assert_trains_like_plain(
+        torch.compile(model, backend=graphshard.backend(), mode="reduce-overhead"), model)
+    x = torch.randn(2, 16)
+    for kwargs, message in (
+        ({"backend": graphshard.backend(mode="max-autotune-no-cudagraphs"),
+          "mode": "reduce-overhead"},
+         r"mode='reduce-overhead'\) with a graphshard backend built with "
+         r"mode='max-autotune-no-cudagraphs': give one of them"),
+        ({"backend": graphshard.backend(), "options": {"prefetch_depth": 1}},
+         r"pass them to graphshard.backend\(...\) instead"),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message):
+            torch.compile(model, **kwargs)(x)

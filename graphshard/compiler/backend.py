@@ -39,7 +39,11 @@ from graphshard.compiler.inductor_joint import inductor_joint_passes
 from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
-from graphshard.errors import GraphshardNotImplementedError, GraphshardTypeError
+from graphshard.errors import (
+    GraphshardNotImplementedError,
+    GraphshardTypeError,
+    GraphshardValueError,
+)
 from graphshard.passes import Plan
 from graphshard.passes.regions import (
     joint_primal_signature,
@@ -294,10 +298,28 @@ class GraphshardBackend:
             self._untraced.pop(0).trace()
         return self._graphs
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
-        if not self._mode_config:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 mode: str | None = None, options: dict[str, Any] | None = None):
+        """Compile Dynamo's graph ``gm``. ``mode`` and ``options``: torch.compile's own
+        keywords, which torch hands to a backend object too (``torch.compile(model,
+        backend=graphshard.backend(...), mode=...)``): the mode applies unless this backend
+        has another; options belong in :func:`backend`."""
+        if options:
+            raise GraphshardTypeError(
+                f"torch.compile(..., options={options!r}) with a graphshard.backend(...) "
+                "object: pass them to graphshard.backend(...) instead")
+        config = self._mode_config
+        if mode is not None and mode != self.mode:
+            if self.mode is not None:
+                raise GraphshardValueError(
+                    f"torch.compile(..., mode={mode!r}) with a graphshard backend built with "
+                    f"mode={self.mode!r}: give one of them")
+            config = inductor_config_for(mode, self.inductor)
+        else:
+            mode = self.mode
+        if not config:
             return self._compile(gm, example_inputs, lazy_backward=True)
-        config = without_cuda_graphs(self._mode_config, self.mode, example_inputs)
+        config = without_cuda_graphs(config, mode, example_inputs)
         from torch._inductor import config as inductor_config
 
         with inductor_config.patch(config):  # the backward too: compiled now, under it
