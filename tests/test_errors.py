@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from graph_utils import fake_process_group
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import graphshard
@@ -151,9 +152,18 @@ BAD_OPTIONS = [
      r"buckets must be None or a list of groups .*got Linear; for one group pass buckets=\[\["),
     ("shard:buckets", 2, TypeError, r"buckets must be None or a list of groups .*got int"),
     ("shard:buckets", [3], TypeError, r"buckets must be a list of modules .*got int"),
+    ("mode", "fast", ValueError,
+     r"Unknown torch.compile mode 'fast' for the graphshard backend; the modes are"),
     ("shard:mixed_precision", torch.bfloat16, TypeError,
-     r"mixed_precision must be a graphshard.MixedPrecision, got dtype"),
+     r"mixed_precision must be a graphshard.MixedPrecision, got dtype: for one dtype, "
+     r"MixedPrecision\(param_dtype=torch.bfloat16\)"),
+    ("shard:mixed_precision", MixedPrecisionPolicy(torch.bfloat16, torch.float32), TypeError,
+     r"got MixedPrecisionPolicy: FSDP2's policy; graphshard's takes the same fields: "
+     r"MixedPrecision\(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+     r"output_dtype=None, cast_forward_inputs=True\)"),
     ("shard:offload", True, TypeError, r"offload must be a graphshard.CPUOffload .*got bool"),
+    ("shard:offload", CPUOffloadPolicy(pin_memory=False), TypeError,
+     r"got CPUOffloadPolicy: FSDP2's policy; graphshard's is CPUOffload\(pin_memory=False\)"),
 ]
 
 

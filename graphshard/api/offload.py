@@ -78,8 +78,15 @@ def resolve_offload(
     if offload is None:
         return "", None
     if not isinstance(offload, CPUOffload):
+        hint = ""
+        if type(offload).__name__ == "CPUOffloadPolicy":  # FSDP2's
+            pin = getattr(offload, "pin_memory", True)
+            hint = f": FSDP2's policy; graphshard's is CPUOffload(pin_memory={pin!r})"
+        elif offload is True:
+            hint = ": CPUOffload() offloads"
         raise GraphshardTypeError(
-            f"offload must be a graphshard.CPUOffload (or None), got {type(offload).__name__}."
+            f"offload must be a graphshard.CPUOffload (or None), got {type(offload).__name__}"
+            f"{hint}."
         )
     device_type = mesh.device_type
     if device_type == "cpu":

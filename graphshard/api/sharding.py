@@ -408,9 +408,16 @@ def shard(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        hint = ""
+        if type(mixed_precision).__name__ == "MixedPrecisionPolicy":  # FSDP2's, same fields
+            fields_ = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+            same = ", ".join(f"{f}={getattr(mixed_precision, f, None)!r}" for f in fields_)
+            hint = f": FSDP2's policy; graphshard's takes the same fields: MixedPrecision({same})"
+        elif isinstance(mixed_precision, torch.dtype):
+            hint = f": for one dtype, MixedPrecision(param_dtype={mixed_precision})"
         raise GraphshardTypeError(
             f"mixed_precision must be a graphshard.MixedPrecision, got "
-            f"{type(mixed_precision).__name__}"
+            f"{type(mixed_precision).__name__}{hint}"
         )
     policy = mixed_precision or MixedPrecision()
     originals = guards.collect_originals(module)  # marked once replaced (graphshard.safety.guards)
