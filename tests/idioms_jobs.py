@@ -381,7 +381,71 @@ def job_grad_scaler(rank: int, world_size: int, mesh, mode: str) -> dict:
     return out
 
 
+# Item 7: torch.distributed.pipelining with data parallelism per stage (pp 2 x dp 2, 4 ranks),
+# as torchtitan composes PP with FSDP: each stage's module sharded on its dp group.
+PIPE_MICROBATCHES, PIPE_SPLIT = 2, 4  # stage 0: layers [:4] of pipe_model(), stage 1: the rest
+
+
+def pipe_model() -> nn.Sequential:
+    """The whole model the two stages split."""
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def pipe_stage(stage: int) -> tuple[nn.Sequential, int]:
+    """Stage ``stage``'s layers of :func:`pipe_model` and the index of its first layer."""
+    layers = list(pipe_model())
+    first = 0 if stage == 0 else PIPE_SPLIT
+    return nn.Sequential(*(layers[:PIPE_SPLIT] if stage == 0 else layers[PIPE_SPLIT:])), first
+
+
+def pipe_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank ``dp``'s (input, target) at ``step``: 4 rows, 2 microbatches."""
+    gen = torch.Generator().manual_seed(10 * step + dp)
+    return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+
+
+def pipe_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+def job_pipeline(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """Item 7: ``PipelineStage`` and ``ScheduleGPipe`` on a stage sharded on its dp group
+    (eager, or compiled before it becomes a stage), 3 SGD steps; the stage's trained
+    parameters under the whole model's names, and the last stage's microbatch losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    pipe_mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp"))
+    stage, dp = pipe_mesh["pp"].get_local_rank(), pipe_mesh["dp"].get_local_rank()
+    module, first = pipe_stage(stage)
+    graphshard.shard(module, pipe_mesh["dp"])
+    run = torch.compile(module, backend="graphshard") if mode == "compiled" else module
+    schedule = ScheduleGPipe(
+        PipelineStage(run, stage, 2, torch.device("cpu"), group=pipe_mesh["pp"].get_group()),
+        n_microbatches=PIPE_MICROBATCHES, loss_fn=pipe_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        inputs, target = pipe_batch(step, dp)
+        if stage == 0:
+            schedule.step(inputs)
+        else:
+            micro: list[torch.Tensor] = []
+            schedule.step(target=target, losses=micro)
+            losses.append([loss.item() for loss in micro])
+        opt.step()
+        opt.zero_grad()
+    params = {}
+    for name, param in module.named_parameters():
+        index, attr = name.split(".", 1)
+        params[f"{int(index) + first}.{attr}"] = full(param)
+    return {"stage": stage, "dp": dp, "losses": losses, "params": params}
+
+
 JOBS: dict[str, Callable[..., dict]] = {
+    "pipeline": job_pipeline,
     "grad_scaler": job_grad_scaler,
     "basics": job_basics,
     "optim": job_optim,
@@ -438,3 +502,25 @@ def reference_train(model: nn.Module, opt, sched, steps, world: int) -> list[flo
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A plain model's state dict, detached copies."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_pipeline(dp_size: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """:func:`pipe_model` trained in one process on every microbatch of every dp rank: the
+    schedule scales each stage's gradients by 1 / microbatches (torch's ``scale_grads``) and
+    the dp group averages them, so the loss is the mean over all microbatches. The final
+    parameters, and per step the microbatch losses of each dp rank."""
+    model = pipe_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        micro = []
+        for dp in range(dp_size):
+            inputs, target = pipe_batch(step, dp)
+            micro.append([pipe_loss(model(x), y)
+                          for x, y in zip(inputs.chunk(PIPE_MICROBATCHES),
+                                          target.chunk(PIPE_MICROBATCHES), strict=True)])
+        (sum(sum(m) for m in micro) / (dp_size * PIPE_MICROBATCHES)).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([[loss.item() for loss in m] for m in micro])
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses

@@ -12,7 +12,9 @@ every job in "eager" and "compiled" mode (see ``idioms_jobs``):
 - world 4, HSDP mesh (2 replicas x 2 shards): items 1-3, 5 and 6, also loading the world-2
   checkpoint.
 
-Item 6 is ``torch.amp.GradScaler``, with an inf in one rank's gradient rows.
+Item 6 is ``torch.amp.GradScaler``, with an inf in one rank's gradient rows. Item 7, in the
+world-4 launch, is ``torch.distributed.pipelining`` (GPipe) with each stage sharded on its
+data-parallel group: pipeline 2 x data parallel 2, as torchtitan composes PP with FSDP.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from idioms_jobs import (
     make_optimizer,
     plain_state,
     reference_grads,
+    reference_pipeline,
     reference_train,
     resume_optimizer,
     run_jobs,
@@ -85,7 +88,8 @@ def world3(world2, ckpt_dir):  # after world2: loads its checkpoint
 
 @pytest.fixture(scope="module")
 def hsdp4(world2, ckpt_dir):  # after world2: loads its checkpoint
-    return run_ranks(run_jobs, 4, True, _jobs(inf_norm=True, load_dir=ckpt_dir))
+    pipeline = [("pipeline", mode) for mode in MODES]  # item 7: its own pp x dp mesh
+    return run_ranks(run_jobs, 4, True, _jobs(inf_norm=True, load_dir=ckpt_dir) + pipeline)
 
 
 def _results(request, world: str, job: str, mode: str) -> list[dict]:
@@ -496,3 +500,24 @@ def test_compiled_mode_runs_dynamo_graphs_without_breaks(request, world, mode):
                 assert res["graphs"] >= 1, job
             else:
                 assert res["graphs"] == 0, job
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pipeline_stages_sharded_per_stage_train_like_one_process(request, mode):
+    """Item 7: each rank's stage ends with the whole model's trained values for its layers,
+    and the last stage's microbatch losses are one process's."""
+    want, want_losses = reference_pipeline(dp_size=2)
+    stages = set()
+    for res in _results(request, "hsdp4", "pipeline", mode):
+        stages.add(res["stage"])
+        assert res["params"], res
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        if res["stage"] == 1:
+            got = [step[res["dp"]] for step in want_losses]
+            torch.testing.assert_close(res["losses"], got, rtol=1e-5, atol=1e-6)
+        assert res["breaks"] == 0
+    assert stages == {0, 1}
+    assert set(want) == {n for res in _results(request, "hsdp4", "pipeline", mode)
+                         for n in res["params"]}
