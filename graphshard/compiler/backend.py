@@ -450,8 +450,7 @@ def _default_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         raise GraphshardTypeError(
             f"torch.compile(..., backend='graphshard', options=...) takes a dict of graphshard "
             f"backend options, got {type(options).__name__}")
-    return GraphshardBackend(**(options or {}), **({} if mode is None else {"mode": mode}))(
-        gm, example_inputs)
+    return GraphshardBackend(**(options or {}))(gm, example_inputs, mode=mode)
 
 
 try:  # also reachable through the ``torch_dynamo_backends`` entry point of the installed package
