@@ -116,7 +116,6 @@ def test_channels_last_shards_are_gathered_in_row_major_order(fake2):
         assert gather.args[0].meta["val"].is_contiguous()
 
 
-
 def _symints(graph: torch.fx.Graph) -> list[str]:
     """Nodes of ``graph`` with a SymInt among their arguments."""
     found = []
