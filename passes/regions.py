@@ -196,32 +196,66 @@ def _view_chain(out: Any) -> tuple[fx.Node, list[fx.Node]] | None:
     return (out, chain[::-1]) if isinstance(out, fx.Node) else None
 
 
+def _is_symbolic_scalar(node: fx.Node) -> bool:
+    """Whether ``node`` computes a size rather than a tensor: ``sym_size`` of an input or
+    arithmetic on sizes (under dynamic shapes a view's sizes are such nodes of the body)."""
+    val = node.meta.get("val")
+    return node.op == "call_function" and isinstance(
+        val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _size_nodes(args: Any, operand_of: dict[fx.Node, Any]) -> list[fx.Node] | None:
+    """The body's size computations that ``args`` read, inputs first (to be made again in
+    the step graph); None when ``args`` read a body value that is neither an operand nor a
+    size computed from operands."""
+    needed: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(node: fx.Node) -> bool:
+        if node in operand_of or node in seen:
+            return True
+        if not _is_symbolic_scalar(node) or not all(visit(i) for i in node.all_input_nodes):
+            return False
+        seen.add(node)
+        needed.append(node)
+        return True
+
+    inputs: list[fx.Node] = []
+    fx.node.map_arg(args, inputs.append)
+    return needed if all(visit(i) for i in inputs) else None
+
+
 def _operand_read(make: NodeMaker, call: fx.Node, out: Any,
                   operand_of: dict[fx.Node, Any]) -> fx.Node | None:
     """What the step graph reads in place of region output ``out`` of ``call``: the operand
-    it passes through, or the same views of that operand, made right after ``call``. None
-    when ``out`` is neither, or a view reads a body value other than a placeholder."""
+    it passes through, or the same views of that operand, made right after ``call`` (with
+    the sizes they take, which under dynamic shapes the body computes from its size
+    operands, computed again there). None when ``out`` is not a tensor operand or views of
+    one; :class:`GraphLoweringError` when it is but the views read other body values."""
     found = _view_chain(out)
     if found is None or not isinstance(operand_of[found[0]], fx.Node):
         return None
     source, chain = found
-
-    def step_value(arg: Any) -> Any:
-        if isinstance(arg, fx.Node):
-            if arg not in operand_of:
-                raise LookupError(arg)
-            return operand_of[arg]
-        return arg
-
-    try:
-        views = [(view.target, fx.node.map_aggregate(view.args[1:], step_value),
-                  fx.node.map_aggregate(view.kwargs, step_value)) for view in chain]
-    except LookupError:
-        return None
-    value = operand_of[source]
+    view_args = [(view.args[1:], view.kwargs) for view in chain]
+    sizes = _size_nodes(view_args, operand_of)
+    if sizes is None:
+        raise GraphLoweringError(
+            f"{call.name}: the compile region {call.args[0].target} returns a view of its "
+            f"operand {source.name} that graphshard cannot take in the step graph "
+            f"({' -> '.join(view.format_node() for view in chain)}); left as a region "
+            "output, Inductor may overwrite the operand under it and the gradients would be "
+            "wrong. This is a bug in graphshard; compile with graphshard.shard(..., "
+            "compile_blocks_once=False) and please report it."
+        )
+    step_of = dict(operand_of)
     with call.graph.inserting_before(call.next):
-        for target, args, kwargs in views:
-            value = make(target, value, *args, **kwargs)
+        for node in sizes:
+            step_of[node] = make(node.target, *fx.node.map_arg(node.args, step_of.__getitem__),
+                                 **fx.node.map_arg(node.kwargs, step_of.__getitem__))
+        value = step_of[source]
+        for view, (args, kwargs) in zip(chain, view_args, strict=True):
+            value = make(view.target, value, *fx.node.map_arg(args, step_of.__getitem__),
+                         **fx.node.map_arg(kwargs, step_of.__getitem__))
     return value
 
 
