@@ -273,7 +273,9 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     forward of ``h = h + block(h)`` it wrote the sum into ``h``'s buffer, which the region
     had saved, and the backward computed the block's first weight gradient from the sum
     (torch 2.11 to 2.14, also without graphshard). In the step graph the view is an alias
-    Inductor sees."""
+    Inductor sees. Under dynamic shapes the view's sizes are the body's arithmetic on its
+    size operands (``[s0*s1, d]``), which the step graph computes again; a view that reads
+    any other body value is refused rather than left to alias."""
     changed = False
     make = NodeMaker(gm.graph)
     for node in list(region_calls(gm)):

@@ -21,7 +21,9 @@ from torch import fx, nn
 
 import graphshard
 from graphshard.api.sharding import shard_state
-from graphshard.passes.regions import region_body, region_calls
+from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.fx_util import NodeMaker
+from graphshard.passes.regions import _operand_read, region_body, region_calls
 
 
 def _mlp() -> nn.Module:
@@ -48,8 +50,8 @@ class _OuterResidual(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+def _tokens(length: int = 12) -> torch.Tensor:
+    return torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own blocks", "one block object"])
@@ -73,14 +75,31 @@ def test_blocks_under_an_outer_residual_train_like_the_eager_model(one_rank, sha
         reference_optimizer.zero_grad()
 
 
-def test_the_step_reads_no_region_output_that_views_an_operand(fake2):
+def test_dynamic_shapes_train_like_the_eager_model(one_rank):
+    """Under dynamic shapes the saved view's sizes are computed in the region's body from
+    its size operands (``[s0*s1, 16]``); the step graph computes them again to take the
+    view there. Left as a region output, the first weight's gradient came out wrong."""
+    torch.manual_seed(0)
+    reference = _OuterResidual(shared=False)
+    model = graphshard.shard(copy.deepcopy(reference))
+    run = torch.compile(model, backend=graphshard.backend(), dynamic=True)
+    for length in (12, 7):
+        run(_tokens(length)).backward()
+        reference(_tokens(length)).backward()
+        for (name, want), got in zip(reference.named_parameters(), model.parameters(),
+                                     strict=True):
+            torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+            got.grad = want.grad = None
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_the_step_reads_no_region_output_that_views_an_operand(fake2, dynamic):
     """After the joint passes, every region output read by the step is computed in its body:
     an alias of an operand is taken in the step graph instead."""
     model = graphshard.shard(_OuterResidual(shared=False))
     backend = graphshard.backend(inductor=False)
-    torch.compile(model, backend=backend)(_tokens()).backward()
-    (stages,) = backend.graphs
-    joint = stages["joint"]
+    torch.compile(model, backend=backend, dynamic=dynamic)(_tokens()).backward()
+    (joint,) = [stages["joint"] for stages in backend.graphs if "joint" in stages]
     read = 0
     for call in region_calls(joint):
         outputs = region_body(call).graph.output_node().args[0]
@@ -99,6 +118,24 @@ def test_the_step_reads_no_region_output_that_views_an_operand(fake2):
     views = [n for n in joint.graph.nodes if n.target is torch.ops.aten.view.default
              and any(u.op == "call_function" and u in set(region_calls(joint)) for u in n.users)]
     assert views, "the saved input's view is taken in the step graph and passed to the backward"
+
+
+def test_a_saved_view_the_step_cannot_take_is_refused_not_left_to_alias():
+    """A region output that views an operand through a value the step graph cannot compute
+    (here a tensor of the body) raises, naming the way out, instead of staying a region
+    output that Inductor may overwrite."""
+    body = fx.Graph()
+    block_input = body.placeholder("block_input")
+    total = body.call_function(torch.ops.aten.sum.default, (block_input,))
+    total.meta["val"] = torch.empty(())
+    saved = body.call_function(torch.ops.aten.view.default, (block_input, [total]))
+    body.output((saved,))
+    step = fx.Graph()
+    operand = step.placeholder("h")
+    call = step.call_function(torch.ops.aten.add.Tensor, (operand, operand))
+    step.output(call)
+    with pytest.raises(GraphLoweringError, match="compile_blocks_once=False"):
+        _operand_read(NodeMaker(step), call, saved, {block_input: operand})
 
 
 def test_one_block_object_at_several_depths_is_one_bucket(fake2):
