@@ -62,6 +62,19 @@ def test_a_complex_parameter_is_refused_naming_the_real_view():
         assert not hasattr(model.real.weight, "device_mesh")  # nothing was replaced
 
 
+@pytest.mark.parametrize("layer", [nn.Embedding(16, 4, sparse=True),
+                                   nn.EmbeddingBag(16, 4, sparse=True)],
+                         ids=["Embedding", "EmbeddingBag"])
+def test_an_embedding_with_sparse_gradients_is_refused_naming_the_dense_one(layer):
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4), layer)
+        with pytest.raises(graphshard.GraphshardError,
+                           match=r"sparse gradients: '1' \(sparse=True\).*sparse=False"):
+            graphshard.shard(model)
+        assert not graphshard.api.sharding.is_sharded(model)
+        assert not hasattr(model[0].weight, "device_mesh")  # nothing was replaced
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

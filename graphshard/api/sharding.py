@@ -291,6 +291,23 @@ def _refuse_complex_parameters(module: nn.Module) -> None:
         )
 
 
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` make sparse
+    gradients, which neither a reduce-scatter nor a DTensor shard can hold. Refused before
+    anything is replaced, instead of failing inside the compiled backward."""
+    bad = [name for name, sub in module.named_modules()
+           if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse]
+    if bad:
+        listed = ", ".join(f"'{n}'" for n in bad)
+        raise GraphshardNotImplementedError(
+            f"graphshard.shard() does not shard embeddings with sparse gradients: {listed} "
+            f"(sparse=True). Their gradients are sparse tensors, which the reduce-scatter "
+            f"and the sharded gradients cannot hold. Build them with sparse=False (the "
+            f"default): the gradient is then dense and sharded like every other, and "
+            f"optimizers made for sparse gradients (SparseAdam) are not needed."
+        )
+
+
 def _refuse_sharded_submodules(module: nn.Module) -> None:
     """Refuse sharding a model whose submodule was sharded by an earlier call (FSDP2's one
     ``fully_shard`` per block; otherwise met as a tensor-parallel DTensor model), or a
@@ -398,6 +415,7 @@ def shard(
         )
     _refuse_sharded_submodules(module)
     _refuse_complex_parameters(module)
+    _refuse_sparse_gradients(module)
     tp_mesh = tp_mesh_of(module, mesh)  # None without tensor parallelism; checks the order
     if tp_mesh is not None and offload is not None:
         raise GraphshardNotImplementedError(
