@@ -316,6 +316,44 @@ def test_freezing_and_unfreezing_after_compiling(one_rank):
         torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("compile_blocks_once", [True, False], ids=["regions", "inline"])
+def test_unfreezing_a_whole_module_trains_each_of_its_parameters(one_rank,
+                                                                  compile_blocks_once):
+    """A block frozen after the first compiled step, then unfrozen: every parameter of each
+    of its layers gets its gradient again, the bias read after the weight too. (Dynamo takes
+    a module's dict of plain tensors as it is when first read, at the weight; the bias's
+    tensor, re-made after that, was traced frozen and got no gradient.)"""
+    torch.manual_seed(0)
+    plain = _Residual()
+    model = graphshard.shard(copy.deepcopy(plain), compile_blocks_once=compile_blocks_once)
+    run = torch.compile(model, backend=graphshard.backend(inductor=False))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+
+    def step(seed: int) -> None:
+        run(_inputs(seed)).backward()
+        plain(_inputs(seed)).backward()
+        for (name, want), got in zip(plain.named_parameters(), model.parameters(), strict=True):
+            assert (got.grad is None) == (want.grad is None), name
+            if want.grad is not None:
+                torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    step(0)
+    for m in (model, plain):
+        m.blocks[0].requires_grad_(False)
+        m.head.bias.requires_grad_(False)
+    step(1)
+    step(2)
+    for m in (model, plain):
+        m.blocks[0].requires_grad_(True)
+    step(3)
+    step(4)
+    for (name, want), got in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.full_tensor(), want.detach(), msg=name)
+
+
 @pytest.mark.parametrize("renew", ["to_empty", "assign"])
 def test_the_compiled_model_reads_parameters_given_new_storage(one_rank, renew):
     """After a compiled step, the parameters get new storage (``to_empty`` then values

@@ -56,12 +56,15 @@ The tensor follows its parameter:
   whose guards include the parameter's flag. Unfreezing it fails that guard, and the retrace
   reads the tensor. Freezing a parameter read through its tensor: autograd gives a frozen
   parameter no gradient, and the backward node re-makes the tensor without ``requires_grad``,
-  which fails its guard so that the next call retraces.
+  which fails its guard so that the next call retraces. The trace re-makes every tensor of
+  a module before it reads any (:func:`trains`), so a whole layer unfrozen at once (weight
+  and bias) trains again in full.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -74,8 +77,8 @@ from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
 __all__ = [
-    "LOCAL_INDEX_ATTR", "LOCALS_ATTR", "attach_local", "register_locals", "same_view",
-    "set_local", "trains",
+    "LOCAL_INDEX_ATTR", "LOCALS_ATTR", "attach_local", "register_locals", "register_module_mates",
+    "same_view", "set_local", "trains",
 ]
 
 # On a sharded module: parameter name -> its record's index for :func:`trains`.
@@ -307,17 +310,38 @@ def _dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
     return _DTENSOR_NEW(DTensor, grad, spec, requires_grad=False)
 
 
+# index -> the indices of the records read through the same modules' dicts (its own
+# included): what :func:`trains` re-makes together.
+_MODULE_MATES: dict[int, tuple[int, ...]] = {}
+
+
+def register_module_mates(indices: Iterable[int]) -> None:
+    """Note that the records ``indices`` are one module's parameters, read through that
+    module's dict of plain tensors (:data:`LOCALS_ATTR`)."""
+    mates = tuple(indices)
+    for index in mates:
+        _MODULE_MATES[index] = tuple(dict.fromkeys(_MODULE_MATES.get(index, ()) + mates))
+
+
 @torch.compiler.assume_constant_result
 def trains(index: int) -> bool:
     """While Dynamo traces: whether the parameter of record ``index`` trains, so that the
     trace reads its tensor (re-made first if its parameter changed). A constant of the trace,
-    not a guard: the tensor's flag, or the parameter's, is guarded where it is read."""
+    not a guard: the tensor's flag, or the parameter's, is guarded where it is read.
+
+    The tensors of its module mates are re-made too, before the trace reads any of them:
+    Dynamo takes the module's dict of tensors as it is when first read, so a tensor re-made
+    after that read (a bias unfrozen with its weight, read second) would be traced as the
+    stale one, frozen, and would get no gradient."""
     entry = _RECORDS[index]()
     if entry is None or not isinstance(entry.param, DTensor):
         return False
     with unset_fake_temporarily():
-        keep_stored(entry, attach_local)  # the bucket's flat buffer (api.bucket_storage)
-        attach_local(entry)
+        for mate_index in _MODULE_MATES.get(index, (index,)):
+            mate = _RECORDS[mate_index]()
+            if mate is not None and isinstance(mate.param, DTensor):
+                keep_stored(mate, attach_local)  # the bucket's flat buffer (api.bucket_storage)
+                attach_local(mate)
     return bool(entry.param.requires_grad)
 
 

@@ -34,7 +34,13 @@ from torch import nn
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
-from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, LOCALS_ATTR, set_local, trains
+from graphshard.api.local_inputs import (
+    LOCAL_INDEX_ATTR,
+    LOCALS_ATTR,
+    register_module_mates,
+    set_local,
+    trains,
+)
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import ROOT_STATES, ShardedParam, ShardState
 from graphshard.safety import guards
@@ -55,6 +61,7 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
                                for pname, (entry, spec) in specs.items()}
     attrs[_SHARDED_NAMES_ATTR] = dict.fromkeys(specs, True)
     attrs[LOCAL_INDEX_ATTR] = local_index
+    register_module_mates(local_index.values())
     locals_ = attrs[LOCALS_ATTR] = {}
     storages = attrs[STORAGES_ATTR] = {}
     for pname, (entry, _) in specs.items():
