@@ -60,6 +60,27 @@ def test_frozen_plain_parameters_and_world_1_compile():
         assert all(p.grad is not None for p in model.parameters())
 
 
+def test_a_layer_replaced_after_shard_is_refused_at_the_next_eager_forward():
+    """``model.head = nn.Linear(...)`` after ``shard()`` (a new classifier for fine-tuning):
+    its plain parameters' gradients are never synchronised, and each rank trained its own
+    head. The next eager forward says to replace before sharding; frozen, it runs."""
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        model(torch.randn(4, 8))  # checked once: nothing plain
+        model.head = nn.Linear(8, 3)
+        for _ in range(2):  # refused at every forward until fixed
+            with pytest.raises(ShardedModelError,
+                               match=r"not sharded: 'head.weight', 'head.bias', added after "
+                                     r"graphshard.shard\(\).*before graphshard.shard\(model\)"):
+                model(torch.randn(4, 8))
+        model.head.requires_grad_(False)
+        model(torch.randn(4, 8))
+    with fake_process_group(1):  # one rank: nothing to synchronise
+        model = graphshard.shard(TwoBlock())
+        model.head = nn.Linear(8, 3)
+        model(torch.randn(4, 8))
+
+
 class ClampsInForward(nn.Module):
     """Updates a parameter in place inside forward (the gathered copy, under graphshard)."""
 

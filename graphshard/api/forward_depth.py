@@ -41,6 +41,7 @@ from torch import nn
 
 from graphshard.records import ShardState
 from graphshard.safety.mutation import end_eager_reads
+from graphshard.safety.plain_params import refuse_plain_parameters
 from graphshard.safety.rank_agreement import check_same_forward
 
 __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "counted_call", "counted_forward",
@@ -185,6 +186,17 @@ def _enter_forward(state: ShardState) -> Callable[..., None]:
     return hook
 
 
+def _enter_root_forward(state: ShardState) -> Callable[..., None]:
+    """The root's pre-hook: eagerly, parameters added since ``shard()`` are refused first."""
+    @mark_forward_hook
+    def hook(module: nn.Module, args: Any) -> None:
+        refuse_plain_parameters(module, state)
+        _count_forward(state, 1)
+
+    setattr(hook, DEPTH_HOOK_ATTR, True)
+    return hook
+
+
 def _exit_forward(state: ShardState) -> Callable[..., None]:
     @mark_forward_hook
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -205,7 +217,7 @@ def track_forwards(module: nn.Module, state: ShardState) -> None:
                                   or type(sub).forward is nn.Module.forward):
             continue  # nothing to count: no parameters, or never called (a ModuleList)
         if sub is module or "forward" in sub.__dict__:
-            sub.register_forward_pre_hook(enter)
+            sub.register_forward_pre_hook(_enter_root_forward(state) if sub is module else enter)
             sub.register_forward_hook(leave, always_call=True)  # an error unwinds the count
         else:
             _count_in_class(sub, state)

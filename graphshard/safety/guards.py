@@ -369,6 +369,7 @@ def refuse_unsharded_parameters(example_inputs: Any, world_size: int) -> None:
             f"are not sharded (shapes {shapes}{', ...' if len(plain) > 4 else ''}) on "
             f"{world_size} ranks: their gradients would never be synchronised, and the ranks' "
             "weights would drift apart. Call graphshard.shard(model) on the root module "
-            "before torch.compile (shard() once, on the root: it shards every parameter), or "
-            "freeze those parameters (requires_grad_(False))."
+            "before torch.compile (shard() once, on the root: it shards every parameter), "
+            "after any change to its modules (a layer replaced after shard() stays plain), "
+            "or freeze those parameters (requires_grad_(False))."
         )

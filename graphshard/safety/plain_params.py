@@ -1,0 +1,65 @@
+"""Trainable plain parameters that a sharded model gained after ``shard()``, refused at its
+next eager forward.
+
+A module assigned into a sharded model after ``shard()`` (``model.head = nn.Linear(...)``,
+a new classifier for fine-tuning) brings plain parameters. graphshard never synchronises
+their gradients, so each rank would train its own copy and the ranks' weights would drift
+apart with no error. A compiled step refuses such parameters when it compiles
+(:func:`graphshard.safety.guards.refuse_unsharded_parameters`); this is the eager side.
+
+It walks the model's parameters only after torch registered a module or a parameter
+somewhere in the process (torch's global registration hooks count them), so a training loop
+that builds no modules pays one integer comparison per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from graphshard.errors import ShardedModelError
+from graphshard.records import ShardState
+
+__all__ = ["refuse_plain_parameters"]
+
+_REGISTRATIONS = [0]  # modules and parameters registered anywhere in the process
+
+
+def _count_registration(*_: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+nn.modules.module.register_module_module_registration_hook(_count_registration)
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+_CHECKED_ATTR = "_graphshard_registrations_checked"
+
+
+def refuse_plain_parameters(model: nn.Module, state: ShardState) -> None:
+    """Raise if the sharded ``model`` holds a trainable parameter that is not a DTensor, on
+    more than one rank; eager forwards only (a compile checks its own inputs)."""
+    if torch.compiler.is_compiling():
+        return
+    count = _REGISTRATIONS[0]
+    if model.__dict__.get(_CHECKED_ATTR) == count:
+        return
+    model.__dict__[_CHECKED_ATTR] = count
+    ranks = state.world_size * state.replica_size
+    if ranks <= 1:
+        return
+    plain = [name for name, p in model.named_parameters()
+             if p.requires_grad and not isinstance(p, DTensor)]
+    if plain:
+        model.__dict__[_CHECKED_ATTR] = None  # refused again at the next forward
+        listed = ", ".join(repr(n) for n in plain[:6]) + (", ..." if len(plain) > 6 else "")
+        raise ShardedModelError(
+            f"This sharded model holds {len(plain)} trainable parameter(s) that are not "
+            f"sharded: {listed}, added after graphshard.shard() (a module assigned into the "
+            f"model afterwards). Their gradients would never be synchronised across the "
+            f"{ranks} ranks, and the ranks' weights would drift apart. Change the model's "
+            f"modules before graphshard.shard(model) (replace the layer, then shard), or "
+            f"freeze those parameters (requires_grad_(False))."
+        )
