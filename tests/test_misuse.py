@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import graphshard
 from graphshard.errors import ShardedModelError
+from graphshard.safety import plain_params
 
 
 def _compile_step(model: nn.Module) -> None:
@@ -79,6 +80,25 @@ def test_a_layer_replaced_after_shard_is_refused_at_the_next_eager_forward():
         model = graphshard.shard(TwoBlock())
         model.head = nn.Linear(8, 3)
         model(torch.randn(4, 8))
+
+
+def test_a_forward_that_slices_its_layer_list_counts_no_new_layer():
+    """Hugging Face's Llama slices its ``ModuleList`` at every forward, which registers the
+    (sharded) layers with a new list: not a new plain parameter, so the eager check above
+    does not walk the model again at every step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, use_cache=False)
+    with fake_process_group(2):
+        model = graphshard.shard(transformers.LlamaForCausalLM(config))
+        tokens = torch.randint(0, 32, (2, 8))
+        model(tokens)
+        counted = plain_params._REGISTRATIONS[0]
+        model(tokens)
+        assert plain_params._REGISTRATIONS[0] == counted
+        model.lm_head = nn.Linear(16, 32, bias=False)  # a new plain layer is counted
+        assert plain_params._REGISTRATIONS[0] > counted
 
 
 class ClampsInForward(nn.Module):

@@ -7,9 +7,12 @@ their gradients, so each rank would train its own copy and the ranks' weights wo
 apart with no error. A compiled step refuses such parameters when it compiles
 (:func:`graphshard.safety.guards.refuse_unsharded_parameters`); this is the eager side.
 
-It walks the model's parameters only after torch registered a module or a parameter
-somewhere in the process (torch's global registration hooks count them), so a training loop
-that builds no modules pays one integer comparison per forward.
+It walks the model's parameters only after a plain parameter was registered somewhere in
+the process, on its own or inside a module (torch's global registration hooks count them;
+a module whose parameters are DTensors already, such as a sharded layer that a
+``ModuleList`` slice re-registers at every forward of a Hugging Face model, is not
+counted), so a training loop that builds no new layers pays one integer comparison per
+forward. The hooks count nothing while Dynamo traces, so that no guard reads the count.
 """
 
 from __future__ import annotations
@@ -28,12 +31,23 @@ __all__ = ["refuse_plain_parameters"]
 _REGISTRATIONS = [0]  # modules and parameters registered anywhere in the process
 
 
-def _count_registration(*_: Any) -> None:
-    _REGISTRATIONS[0] += 1
+def _count_module(parent: nn.Module, name: str, module: Any) -> None:
+    if torch.compiler.is_compiling() or not isinstance(module, nn.Module):
+        return
+    first = next(module.parameters(), None)  # shard() makes all of a module's or none
+    if first is not None and not isinstance(first, DTensor):
+        _REGISTRATIONS[0] += 1
 
 
-nn.modules.module.register_module_module_registration_hook(_count_registration)
-nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if param is not None and not isinstance(param, DTensor):
+        _REGISTRATIONS[0] += 1
+
+
+nn.modules.module.register_module_module_registration_hook(_count_module)
+nn.modules.module.register_module_parameter_registration_hook(_count_parameter)
 
 _CHECKED_ATTR = "_graphshard_registrations_checked"
 
