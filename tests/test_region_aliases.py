@@ -92,6 +92,36 @@ def test_dynamic_shapes_train_like_the_eager_model(one_rank):
             got.grad = want.grad = None
 
 
+class _CheckpointedResidual(_OuterResidual):
+    """The same, each block under ``torch.utils.checkpoint`` (its region is then called
+    inside the checkpoint's body)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def test_checkpointed_blocks_under_dynamic_shapes_train_like_the_eager_model(one_rank):
+    """Dynamo reuses the first block's traced region for the second; inside a checkpoint
+    body it looked the region's size symbols up in that body's tracer, which had not bound
+    them (``InternalTorchDynamoError: KeyError: s0``, plain ``nested_compile_region`` too).
+    The block's call reads its operands' sizes first, which binds them."""
+    torch.manual_seed(0)
+    reference = _CheckpointedResidual(shared=False)
+    model = graphshard.shard(copy.deepcopy(reference))
+    run = torch.compile(model, backend=graphshard.backend(), dynamic=True)
+    for length in (12, 7):
+        run(_tokens(length)).backward()
+        reference(_tokens(length)).backward()
+        for (name, want), got in zip(reference.named_parameters(), model.parameters(),
+                                     strict=True):
+            torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+            got.grad = want.grad = None
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_the_step_reads_no_region_output_that_views_an_operand(fake2, dynamic):
     """After the joint passes, every region output read by the step is computed in its body:

@@ -246,6 +246,20 @@ def _note_inlined(block_class: str, where: str, type_name: str) -> bool:
     return True
 
 
+def _bind_sizes(operands: Any) -> None:
+    """Read the sizes of every tensor in ``operands`` (tuples included) where the call is
+    traced. Under dynamic shapes this binds their symbols in the tracer now tracing: inside
+    a ``torch.utils.checkpoint`` body, Dynamo's reuse of an identical block's traced region
+    looks its size symbols up in that body's tracer, where nothing had bound them, and the
+    compile failed with ``InternalTorchDynamoError: KeyError: s0`` (torch 2.13 and 2.14,
+    plain ``nested_compile_region`` too). Static sizes trace to nothing."""
+    for operand in operands:
+        if isinstance(operand, torch.Tensor):
+            operand.size()
+        elif isinstance(operand, tuple):
+            _bind_sizes(operand)
+
+
 def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     """A block's ``forward``: as a compile region while Dynamo traces, else as written (and
     inline when called with an object the region could not take: :func:`_object_operand`)."""
@@ -256,6 +270,8 @@ def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     if held is not None:
         _note_inlined(type(self).__name__, *held)
         return forward(self, *args, **kwargs)
+    _bind_sizes(args)
+    _bind_sizes(tuple(kwargs.values()))
     owners, flat = _gather_block_params(self)
     try:
         return _REGION[0](self, len(flat), len(args), *flat, *args, *kwargs, *kwargs.values())
