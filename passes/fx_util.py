@@ -102,6 +102,29 @@ def fake_value(node: fx.Node, fake_mode: Any) -> Any:
         return node.target(*args, **kwargs)
 
 
+def fill_missing_values(gm: fx.GraphModule) -> int:
+    """Give ``meta["val"]`` to the ``call_function`` nodes AOTAutograd left without one
+    (the partitioner's ``run_and_save_rng_state`` around an op with randomness that a
+    checkpoint recomputes, and the ``getitem`` of its result), by running each on its inputs'
+    values under the graph's fake mode; how many got one. Nodes whose inputs have no value,
+    or whose op fails on fake values, are left as they are."""
+    fake_mode = NodeMaker(gm.graph).fake_mode
+    if fake_mode is None:
+        return 0
+    filled = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" in node.meta:
+            continue
+        if not all("val" in i.meta for i in node.all_input_nodes):
+            continue
+        try:
+            node.meta["val"] = fake_value(node, fake_mode)
+        except Exception:  # left without one: the runner's invariant check names the node
+            continue
+        filled += 1
+    return filled
+
+
 def copy_to_device(make: NodeMaker, node: fx.Node, device: str, bucket: int) -> fx.Node:
     """The host ``node`` copied to ``device``, non-blocking (from pinned memory it overlaps
     compute), by an op Inductor lowers; tagged ``meta["graphshard_copy"]``."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from graphshard.passes.errors import GraphshardError
-from graphshard.passes.fx_util import waits_of
+from graphshard.passes.fx_util import fill_missing_values, waits_of
 from graphshard.passes.markers import is_collective_start, is_reduce_grad, is_unshard
 from graphshard.passes.plan import Plan
 
@@ -60,6 +60,8 @@ class PassRunner:
             plan: Plan) -> fx.GraphModule:
         """``gm`` after every pass of ``passes``; ``stage`` names the graph (dynamo, joint,
         fw, bw, inference)."""
+        if stage in _AOT_STAGES:
+            fill_missing_values(gm)  # what AOTAutograd's partitioner left without a value
         if self.after_each is not None:
             self.after_each(0, "input", gm)
         done: list[str] = []
