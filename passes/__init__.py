@@ -17,6 +17,7 @@ from graphshard.passes.merge_reduce_grad import merge_reduce_grad
 from graphshard.passes.overlap_reduce import overlap_reduce
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
+from graphshard.passes.region_sizes import sizes_outside_regions
 from graphshard.passes.regions import parameters_first_in_regions, rewire_region_passthrough
 from graphshard.passes.reshard import reshard
 from graphshard.passes.shard_copy_stream import shard_copy_stream
@@ -47,5 +48,6 @@ __all__ = [
     "rewire_region_passthrough",
     "split_last_reduce",
     "shard_copy_stream",
+    "sizes_outside_regions",
     "step_prefetch",
 ]
