@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import graphshard
+from graphshard._torch_version import installed_torch_version
 from graphshard.passes.regions import is_region_call
 
 
@@ -51,6 +52,15 @@ def test_checkpointed_llama_on_batches_of_several_lengths_trains_like_eager(
     model = graphshard.shard(copy.deepcopy(reference), compile_blocks_once=compile_blocks_once)
     backend = graphshard.backend()
     run = torch.compile(model, backend=backend)
+    if compile_blocks_once and installed_torch_version() >= (2, 14):
+        # torch 2.14.1's Dynamo, reusing the first block's region inside the second block's
+        # checkpoint body, looks up a length symbol (the input's, s0) that it replaced by an
+        # equal one (the mask's): docs/torch-versions.md. When this stops raising, the
+        # regions case below holds on 2.14 too.
+        run(**_batch(16)).loss.backward()
+        with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError, match="KeyError"):
+            run(**_batch(24))
+        return
     for length in (16, 24):
         run(**_batch(length)).loss.backward()
         reference(**_batch(length)).loss.backward()
