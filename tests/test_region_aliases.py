@@ -75,23 +75,6 @@ def test_blocks_under_an_outer_residual_train_like_the_eager_model(one_rank, sha
         reference_optimizer.zero_grad()
 
 
-def test_dynamic_shapes_train_like_the_eager_model(one_rank):
-    """Under dynamic shapes the saved view's sizes are computed in the region's body from
-    its size operands (``[s0*s1, 16]``); the step graph computes them again to take the
-    view there. Left as a region output, the first weight's gradient came out wrong."""
-    torch.manual_seed(0)
-    reference = _OuterResidual(shared=False)
-    model = graphshard.shard(copy.deepcopy(reference))
-    run = torch.compile(model, backend=graphshard.backend(), dynamic=True)
-    for length in (12, 7):
-        run(_tokens(length)).backward()
-        reference(_tokens(length)).backward()
-        for (name, want), got in zip(reference.named_parameters(), model.parameters(),
-                                     strict=True):
-            torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
-            got.grad = want.grad = None
-
-
 class _CheckpointedResidual(_OuterResidual):
     """The same, each block under ``torch.utils.checkpoint`` (its region is then called
     inside the checkpoint's body)."""
@@ -104,13 +87,20 @@ class _CheckpointedResidual(_OuterResidual):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def test_checkpointed_blocks_under_dynamic_shapes_train_like_the_eager_model(one_rank):
-    """Dynamo reuses the first block's traced region for the second; inside a checkpoint
-    body it looked the region's size symbols up in that body's tracer, which had not bound
-    them (``InternalTorchDynamoError: KeyError: s0``, plain ``nested_compile_region`` too).
-    The block's call reads its operands' sizes first, which binds them."""
+@pytest.mark.parametrize("model_class", [_OuterResidual, _CheckpointedResidual],
+                         ids=["plain", "checkpointed"])
+def test_dynamic_shapes_train_like_the_eager_model(one_rank, model_class):
+    """Under dynamic shapes the saved view's sizes are computed in the region's body from
+    its size operands (``[s0*s1, 16]``); the step graph computes them again to take the
+    view there. Left as a region output, the first weight's gradient came out wrong.
+
+    Checkpointed: Dynamo reuses the first block's traced region for the second; inside a
+    checkpoint body it looked the region's size symbols up in that body's tracer, which had
+    not bound them (``InternalTorchDynamoError: KeyError: s0``, plain
+    ``nested_compile_region`` too). The block's call reads its operands' sizes first, which
+    binds them."""
     torch.manual_seed(0)
-    reference = _CheckpointedResidual(shared=False)
+    reference = model_class(shared=False)
     model = graphshard.shard(copy.deepcopy(reference))
     run = torch.compile(model, backend=graphshard.backend(), dynamic=True)
     for length in (12, 7):
