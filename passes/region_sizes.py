@@ -9,8 +9,8 @@ buffer, not as an expression, and refused the lowering (``LoweringException: can
 sympy expressions from ShapeAsConstantBuffer``).
 
 :func:`sizes_outside_regions` gives such readers the same size from the graph's own values:
-a size input or an earlier size node with the same expression, or that expression computed
-from the graph's size inputs. Region calls keep reading it (they take ``SymInt`` operands).
+the size input with the same expression, or that expression computed from the size inputs.
+Region calls keep reading it (they take ``SymInt`` operands).
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ def sizes_outside_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if (expr := _expr(node)) is not None:
             known.setdefault(expr, node)
     make = NodeMaker(gm.graph)
+    # sizes are made right after the inputs (before every reader), in the order made
+    anchor = next(node for node in gm.graph.nodes if node.op != "placeholder")
     for node in list(gm.graph.nodes):
         if not _is_region_size(node):
             continue
         readers = [u for u in node.users if not is_region_call(u) and u.op != "output"]
         if not readers:
             continue
-        # made right after the inputs: before every reader
-        anchor = placeholders[-1].next if placeholders else next(iter(gm.graph.nodes))
         with gm.graph.inserting_before(anchor):
             same = _build(_expr(node), known, make)
         if same is None:

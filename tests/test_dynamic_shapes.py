@@ -76,3 +76,34 @@ def test_checkpointed_llama_on_batches_of_several_lengths_trains_like_eager(
                         and isinstance(node.meta.get("val"), torch.SymInt)):
                     assert all(is_region_call(user) or user.op == "output"
                                for user in node.users), node.format_node()
+
+
+def test_a_size_is_computed_from_the_size_inputs_in_order():
+    """``sizes_outside_regions`` builds a size the graph has no input for from the inputs
+    (sums and products), each node after the ones it reads, with its symbolic value."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from graphshard.passes.fx_util import NodeMaker
+    from graphshard.passes.region_sizes import _build
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    env = mode.shape_env
+    s0 = env.create_symintnode(env.create_symbol(3, ConstantSource("a")), hint=3)
+    s1 = env.create_symintnode(env.create_symbol(5, ConstantSource("b")), hint=5)
+    graph = torch.fx.Graph()
+    tokens = graph.placeholder("tokens")
+    tokens.meta["val"] = mode.from_tensor(torch.empty(2, 3))
+    first, second = graph.placeholder("s0"), graph.placeholder("s1")
+    first.meta["val"], second.meta["val"] = s0, s1
+    anchor = graph.output(None)
+    known = {s0.node.expr: first, s1.node.expr: second}
+    product, wanted = 2 * s0 * s1, 2 * s0 * s1 + s1
+    with graph.inserting_before(anchor):  # the product first, then a sum reusing it
+        made = _build(product.node.expr, known, NodeMaker(graph))
+        total = _build(wanted.node.expr, known, NodeMaker(graph))
+    graph.lint()  # every node after its inputs
+    assert isinstance(made, torch.fx.Node) and made in total.all_input_nodes
+    assert made.meta["val"].node.expr == product.node.expr
+    assert total.meta["val"].node.expr == wanted.node.expr
