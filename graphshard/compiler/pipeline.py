@@ -13,17 +13,17 @@ Stages and their passes (each dumped before and after when a dump directory is s
   reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
   ``assign_buckets`` (the ``size``/``auto`` strategies),
   ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
-- ``fw``: ``sizes_outside_regions`` (an op outside a block region reads a size the region
-  returned from the graph's own size inputs instead: Inductor cannot take it as a size),
-  ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
+- ``fw``: ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
   from the previous optimizer step), ``shard_copy_stream`` (with that option, offloaded
-  shards go to the device on a copy stream, a bucket ahead);
-- ``inference``: ``sizes_outside_regions``, ``fold_views``, ``assign_buckets``,
-  ``lower_unshard``, ``prefetch``, ``shard_copy_stream``;
-- ``bw``: ``sizes_outside_regions``, ``lower_unshard`` (the re-gather), ``split_last_reduce``
-  (early gradients of the last buckets reduced on their own), ``lower_reduce_grad``,
-  ``prefetch``, ``overlap_reduce``, ``grad_copy_stream`` (with that option, offloaded
-  gradients go to the host on a copy stream, waited for once), ``shard_copy_stream``.
+  shards go to the device on a copy stream, a bucket ahead), ``sizes_outside_regions`` (an
+  op outside a block region that reads a size the region returned reads the graph's own
+  size input instead: Inductor cannot take the region's as a size);
+- ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``,
+  ``shard_copy_stream``, ``sizes_outside_regions``;
+- ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
+  last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
+  ``grad_copy_stream`` (with that option, offloaded gradients go to the host on a copy
+  stream, waited for once), ``shard_copy_stream``, ``sizes_outside_regions``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -67,11 +67,11 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions],
     "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
-    "fw": [sizes_outside_regions, lower_unshard, prefetch, step_prefetch, shard_copy_stream],
-    "inference": [sizes_outside_regions, fold_views, assign_buckets, lower_unshard, prefetch,
-                  shard_copy_stream],
-    "bw": [sizes_outside_regions, lower_unshard, split_last_reduce, lower_reduce_grad, prefetch,
-           overlap_reduce, grad_copy_stream, shard_copy_stream],
+    "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions],
+    "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream,
+                  sizes_outside_regions],
+    "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
+           grad_copy_stream, shard_copy_stream, sizes_outside_regions],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
