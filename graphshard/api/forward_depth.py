@@ -41,7 +41,7 @@ from torch import nn
 
 from graphshard.records import ShardState
 from graphshard.safety.mutation import end_eager_reads
-from graphshard.safety.plain_params import refuse_plain_parameters
+from graphshard.safety.plain_params import refuse_plain_parameters, watch_registrations
 from graphshard.safety.rank_agreement import check_same_forward
 
 __all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "counted_call", "counted_forward",
@@ -188,6 +188,8 @@ def _enter_forward(state: ShardState) -> Callable[..., None]:
 
 def _enter_root_forward(state: ShardState) -> Callable[..., None]:
     """The root's pre-hook: eagerly, parameters added since ``shard()`` are refused first."""
+    watch_registrations()
+
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
         refuse_plain_parameters(module, state)

@@ -12,7 +12,8 @@ the process, on its own or inside a module (torch's global registration hooks co
 a module whose parameters are DTensors already, such as a sharded layer that a
 ``ModuleList`` slice re-registers at every forward of a Hugging Face model, is not
 counted), so a training loop that builds no new layers pays one integer comparison per
-forward. The hooks count nothing while Dynamo traces, so that no guard reads the count.
+forward. The hooks count nothing while Dynamo traces, so that no guard reads the count,
+and are installed at the first ``shard()`` (:func:`watch_registrations`), not at import.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from graphshard.errors import ShardedModelError
 from graphshard.records import ShardState
 
-__all__ = ["refuse_plain_parameters"]
+__all__ = ["refuse_plain_parameters", "watch_registrations"]
 
 _REGISTRATIONS = [0]  # modules and parameters registered anywhere in the process
 
@@ -46,8 +47,17 @@ def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
         _REGISTRATIONS[0] += 1
 
 
-nn.modules.module.register_module_module_registration_hook(_count_module)
-nn.modules.module.register_module_parameter_registration_hook(_count_parameter)
+_HOOKS: list[Any] = []  # torch's handles, once installed
+
+
+def watch_registrations() -> None:
+    """Start counting registrations (once per process), when the first model is sharded: a
+    process that imports graphshard and shards nothing keeps torch's registration path as
+    it was."""
+    if not _HOOKS:
+        _HOOKS.append(nn.modules.module.register_module_module_registration_hook(_count_module))
+        _HOOKS.append(
+            nn.modules.module.register_module_parameter_registration_hook(_count_parameter))
 
 _CHECKED_ATTR = "_graphshard_registrations_checked"
 
