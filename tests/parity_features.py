@@ -159,11 +159,16 @@ class FeatureCase:
     rows: Callable[[int], int] = lambda step: 4
     shard: Callable[[nn.Module], object] = graphshard.shard
     eval_step: int | None = None
+    # The forward-only step's grad mode: torch.no_grad, or torch.inference_mode (where the
+    # gathered copies are inference tensors, with no version counter to check).
+    eval_mode: Callable[[], object] = torch.no_grad
 
 
 CASES: dict[str, FeatureCase] = {
     "frozen_tied": FeatureCase(frozen_tied, _tokens, shard=tied_shard),
     "batchnorm_eval": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP),
+    "batchnorm_inference_mode": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP,
+                                            eval_mode=torch.inference_mode),
     "checkpoint_tied": FeatureCase(CheckpointTied, _tokens),
     # Batch 4, then 6 (recompiles with a dynamic batch dimension), then 8 (reuses it).
     "breaks_reshape": FeatureCase(Breaks, _regression, rows=lambda step: (4, 4, 6, 6, 8)[step]),
@@ -201,7 +206,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
         for step in range(STEPS):
             if step == spec.eval_step:
                 model.eval()
-                with torch.no_grad():
+                with spec.eval_mode():
                     losses.append(run(*batch(case, step, rank)).item())
                 model.train()
                 continue
@@ -244,7 +249,7 @@ def train_reference(case: str, world_size: int) -> list[dict]:
     for step in range(STEPS):
         if step == spec.eval_step:
             model.eval()
-            with torch.no_grad():
+            with spec.eval_mode():
                 for r in range(world_size):
                     losses[r].append(on_rank(r, step).item())
             model.train()

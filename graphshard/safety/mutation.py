@@ -101,21 +101,24 @@ def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
                         stack.append(user)
 
 
-def _check(ref, version: int, name: str) -> None:
+def _check(ref, version: int | None, name: str) -> None:
     gathered = ref()
-    if gathered is not None and gathered._version != version:
+    if version is not None and gathered is not None and gathered._version != version:
         raise mutation_error(name, "update")
 
 
 def note_eager_read(state, full: torch.Tensor, name: str) -> None:
     """Record an eager forward's read of ``name`` (the gathered copy ``full``) in
-    ``state.eager_reads``, after checking the previous read's copy."""
+    ``state.eager_reads``, after checking the previous read's copy. A copy gathered under
+    ``torch.inference_mode()`` has no version counter, and nothing trains on it: its read is
+    recorded unchecked."""
     reads = state.eager_reads
     if reads:
         last, version, last_name, trained = reads[-1]
         _check(last, version, last_name)
         reads[-1] = (weakref.ref(last()), version, last_name, trained)  # no longer held
-    reads.append((lambda full=full: full, full._version, name, full.requires_grad))
+    version = None if full.is_inference() else full._version
+    reads.append((lambda full=full: full, version, name, full.requires_grad))
 
 
 def end_eager_reads(state) -> list[tuple[str, bool]]:
