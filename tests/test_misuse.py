@@ -162,6 +162,25 @@ def test_updating_the_sharded_parameter_outside_forward_is_fine():
         model(torch.randn(4, 8)).sum().backward()
 
 
+def test_a_parametrization_registered_after_shard_says_to_register_it_before():
+    """``register_parametrization`` deletes the parameter it wraps: after ``shard()`` that is
+    refused, and the error names the order that works (parametrize, then shard)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Halved(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight / 2
+
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        with pytest.raises(ShardedModelError, match="register_parametrization.*before shard"):
+            parametrize.register_parametrization(model.blocks[0].up, "weight", Halved())
+        assert isinstance(model.blocks[0].up.weight, DTensor)  # left as it was
+        plain = TwoBlock()
+        parametrize.register_parametrization(plain.blocks[0].up, "weight", Halved())
+        _compile_step(graphshard.shard(plain))
+
+
 def test_a_deep_copy_of_a_sharded_model_says_how_to_get_one():
     import copy
 
