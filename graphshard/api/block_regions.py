@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphshard._torch_version import installed_torch_version
 from graphshard.api.bucket_storage import place as storage_place
 from graphshard.api.bucket_storage import register_storage_slots
 from graphshard.api.forward_depth import (
@@ -224,24 +225,70 @@ def _object_operand(args: tuple, kwargs: dict) -> tuple[str, str] | None:
     return None
 
 
-_INLINED_NOTED: set[tuple[str, str, str]] = set()
+def _object_reason(where: str, type_name: str) -> str:
+    return (f"their {where} is a {type_name}, an object the block's body could change, which "
+            f"torch's compile regions cannot always replay. To compile each kind of block "
+            f"once, call the blocks with tensors and plain values only (for a Hugging Face "
+            f"model in training, pass use_cache=False, or set model.config.use_cache = False, "
+            f"so that no cache object reaches them)")
+
+
+_CHECKPOINT_REASON = (
+    "they run inside torch.utils.checkpoint under dynamic shapes, where torch 2.14's reuse of "
+    "one block's compile region for the next fails (InternalTorchDynamoError: KeyError: s0; "
+    "docs/torch-versions.md). To compile each kind of block once there, pad batches to one "
+    "length or pass dynamic=False to torch.compile")
 
 
 @torch.compiler.assume_constant_result
-def _note_inlined(block_class: str, where: str, type_name: str) -> bool:
-    """Warn, once per (block class, argument, type) in a process, that a block runs inline
-    (:func:`_object_operand`). Called by Dynamo while it traces, with constants."""
-    key = (block_class, where, type_name)
+def _in_checkpoint_under_dynamic_shapes() -> bool:
+    """Whether Dynamo is now tracing the body of a ``torch.utils.checkpoint`` in a compile
+    with symbolic sizes, on torch 2.14 or newer. There Dynamo's reuse of an identical block's
+    region looks up a length symbol it had replaced by an equal one (the attention mask's:
+    a Hugging Face Llama under ``gradient_checkpointing_enable()``, at the recompile for a
+    second length), which reading the operands' sizes (:func:`_bind_sizes`) cannot bind, and
+    the compile fails (``InternalTorchDynamoError: KeyError: s0``; 2.13 compiles it). Such a
+    block runs inline. Called by Dynamo while it traces; False where its internals differ."""
+    if installed_torch_version() < (2, 14):
+        return False
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        tracer = output.current_tracer
+        inside = False
+        while tracer.parent is not None:
+            inside = inside or "checkpoint" in str(getattr(tracer, "description", ""))
+            tracer = tracer.parent
+        return inside and bool(output.shape_env.var_to_val)
+    except (AttributeError, AssertionError, ImportError):
+        return False
+
+
+def _inline_reason(args: tuple, kwargs: dict) -> str | None:
+    """Why a block call must run inline rather than as its region, or None."""
+    held = _object_operand(args, kwargs)
+    if held is not None:
+        return _object_reason(*held)
+    if _in_checkpoint_under_dynamic_shapes():
+        return _CHECKPOINT_REASON
+    return None
+
+
+_INLINED_NOTED: set[tuple[str, str]] = set()
+
+
+@torch.compiler.assume_constant_result
+def _note_inlined(block_class: str, reason: str) -> bool:
+    """Warn, once per (block class, reason) in a process, that a block runs inline
+    (:func:`_inline_reason`). Called by Dynamo while it traces, with constants."""
+    key = (block_class, reason)
     if key not in _INLINED_NOTED:
         _INLINED_NOTED.add(key)
         warnings.warn(
             f"graphshard: {block_class} blocks are compiled inline, each on its own, not "
-            f"once per kind (compile_blocks_once): their {where} is a {type_name}, an "
-            f"object the block's body could change, which torch's compile regions cannot "
-            f"always replay. The step is the same; only its compile time grows with depth. "
-            f"To compile each kind of block once, call the blocks with tensors and plain "
-            f"values only (for a Hugging Face model in training, pass use_cache=False, or "
-            f"set model.config.use_cache = False, so that no cache object reaches them).",
+            f"once per kind (compile_blocks_once): {reason}. The step is the same; only its "
+            f"compile time grows with depth.",
             BlockInlinedWarning, stacklevel=2)
     return True
 
@@ -262,13 +309,13 @@ def _bind_sizes(operands: Any) -> None:
 
 def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     """A block's ``forward``: as a compile region while Dynamo traces, else as written (and
-    inline when called with an object the region could not take: :func:`_object_operand`)."""
+    inline where the region could not serve the call: :func:`_inline_reason`)."""
     forward = self._graphshard_block_forward
     if not torch.compiler.is_compiling():
         return forward(self, *args, **kwargs)
-    held = _object_operand(args, kwargs)
-    if held is not None:
-        _note_inlined(type(self).__name__, *held)
+    reason = _inline_reason(args, kwargs)
+    if reason is not None:
+        _note_inlined(type(self).__name__, reason)
         return forward(self, *args, **kwargs)
     _bind_sizes(args)
     _bind_sizes(tuple(kwargs.values()))
