@@ -59,6 +59,9 @@ class ShardedParam:
     storage_group: Any = field(default=None, repr=False, compare=False)
     storage_slots: list[tuple[dict, Any]] = field(default_factory=list, repr=False,
                                                   compare=False)
+    # The storage id of ``param``'s DTensor wrapper when sharded, or after the last swap
+    # graphshard followed: ``param.data = ...`` changes it (graphshard.safety.data_assignment).
+    wrapper_id: int = 0
 
 
 @dataclass

@@ -181,6 +181,41 @@ def test_a_parametrization_registered_after_shard_says_to_register_it_before():
         _compile_step(graphshard.shard(plain))
 
 
+@pytest.mark.parametrize("value", ["dtensor", "plain"])
+def test_assigning_a_sharded_parameters_data_is_refused_at_the_next_forward_and_step(value):
+    """``param.data = ...`` leaves a DTensor's local shard as it was (torch's DTensor and
+    FSDP2 ignore it with no error): the eager forward and the optimizer step refuse it; a
+    compiled forward reads the shards and is refused at the step."""
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        weight = model.blocks[0].up.weight
+        with torch.no_grad():
+            weight.data = weight.data * 0.5 if value == "dtensor" else torch.zeros(12, 8)
+        with pytest.raises(ShardedModelError, match=r"'blocks.0.up.weight'.*param.data = "):
+            model(torch.randn(4, 8))
+        _compile_step(model)
+        with pytest.raises(ShardedModelError, match=r"in place under torch.no_grad"):
+            opt.step()
+
+
+def test_in_place_updates_and_conversions_of_sharded_parameters_are_not_taken_for_it():
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        with torch.no_grad():
+            model.blocks[0].up.weight.mul_(0.5)
+            model.head.weight.copy_(model.head.weight * 2)
+        model.double()  # graphshard follows the swapped shards
+        model.float()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        meta = graphshard.shard(TwoBlock().to("meta"))
+        meta.to_empty(device="cpu")
+        meta(torch.randn(4, 8)).sum().backward()
+        torch.optim.SGD(meta.parameters(), lr=0.1).step()
+
+
 def test_a_deep_copy_of_a_sharded_model_says_how_to_get_one():
     import copy
 

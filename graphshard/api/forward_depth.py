@@ -40,6 +40,7 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.records import ShardState
+from graphshard.safety.data_assignment import refuse_data_assignments
 from graphshard.safety.mutation import end_eager_reads
 from graphshard.safety.plain_params import refuse_plain_parameters, watch_registrations
 from graphshard.safety.rank_agreement import check_same_forward
@@ -187,12 +188,14 @@ def _enter_forward(state: ShardState) -> Callable[..., None]:
 
 
 def _enter_root_forward(state: ShardState) -> Callable[..., None]:
-    """The root's pre-hook: eagerly, parameters added since ``shard()`` are refused first."""
+    """The root's pre-hook: eagerly, parameters added since ``shard()`` and parameters
+    assigned new data are refused first."""
     watch_registrations()
 
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
         refuse_plain_parameters(module, state)
+        refuse_data_assignments(state)
         _count_forward(state, 1)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphshard.errors import ShardedModelError
+from graphshard.safety.data_assignment import record_wrapper, refuse_data_assignments
 from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
 
 __all__ = [
@@ -57,6 +58,8 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
     """Install the guards on a freshly sharded ``module`` and compare plans across ranks."""
     for param, name in originals:
         param._graphshard_replaced = name
+    for entry in state.params:
+        record_wrapper(entry)
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         if not sub.__dict__.get("_graphshard_specs") or "_graphshard_prefix" in sub.__dict__:
             continue
@@ -226,6 +229,7 @@ def on_new_storage(listener: Callable[[Any], None]) -> None:
 
 
 def _new_storage(entry: Any) -> None:
+    record_wrapper(entry)
     for listener in _STORAGE_LISTENERS:
         listener(entry)
 
@@ -319,9 +323,13 @@ def _states_stepped_by(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
 
 
 def _count_step(optimizer: torch.optim.Optimizer) -> None:
-    """One more optimizer step on each model whose parameters ``optimizer`` holds."""
-    for ref in optimizer.__dict__["_graphshard_states"]:
-        state = ref()
+    """One more optimizer step on each model whose parameters ``optimizer`` holds (none if
+    one of them was assigned new data: :mod:`graphshard.safety.data_assignment`)."""
+    states = [ref() for ref in optimizer.__dict__["_graphshard_states"]]
+    for state in states:
+        if state is not None:
+            refuse_data_assignments(state)
+    for state in states:
         if state is not None:
             state.optimizer_steps += 1
 
