@@ -17,6 +17,8 @@ from training_loops_jobs import (
     run_jobs,
 )
 
+import graphshard
+
 WORLD = 2
 BLOCK_COMPILES = ("module_compile", "wrapped")
 JOBS = [("two_models", mode) for mode in MODES] + [("block_compile", how)
@@ -78,3 +80,32 @@ def test_decoder_layers_compiled_one_by_one_train_like_one_process(ranks, how):
         torch.testing.assert_close(res["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
         _assert_state(res["state"], plain["state"])
         assert res["graphs"] >= 1 and res["breaks"] == 0
+
+
+def test_a_compiled_optimizer_step_trains_like_the_plain_models_and_is_counted(one_rank):
+    """torch's recipe ``step = torch.compile(optimizer.step)``: graphshard's step pre-hook
+    runs outside the compiled step (under Dynamo its bookkeeping of weak references turned
+    into the referents, and the second step raised ``'ShardState' object is not
+    callable``), still counts every step, and the shards train as the plain model does."""
+    from graph_utils import TwoBlock
+
+    from graphshard.records import STATE_ATTR
+
+    def train(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        step = torch.compile(opt.step)
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).mean().backward()
+            step()
+            opt.zero_grad()
+        return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    want = train(TwoBlock())
+    torch.manual_seed(0)
+    model = graphshard.shard(TwoBlock())
+    got = train(model)
+    _assert_state(got, want)
+    assert getattr(model, STATE_ATTR).optimizer_steps == 3

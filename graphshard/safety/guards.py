@@ -334,6 +334,11 @@ def _count_step(optimizer: torch.optim.Optimizer) -> None:
             state.optimizer_steps += 1
 
 
+# Run as Python even inside a compiled ``optimizer.step`` (torch's ``torch.compile(opt.step)``
+# recipe; one graph break before the step): traced, Dynamo wrote the weak references of
+# ``_STATES`` back as their referents, and the next step raised "'ShardState' object is not
+# callable"; and its counts and checks must happen at every step, not once at tracing.
+@torch._dynamo.disable
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if optimizer.__dict__.get("_graphshard_checked") == count:
