@@ -66,6 +66,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
         sub.__dict__["_graphshard_prefix"] = f"{mod_name}." if mod_name else ""
         _guard_class(type(sub))
     module.register_load_state_dict_pre_hook(_PlainTensorRefusal(state, type(module).__name__))
+    _watch_optimizers()
     _first_in_dict(module, _COPY_REFUSAL_ATTR, _CopyRefusal(type(module).__name__))
     _STATES.append(weakref.ref(state))
     check_shard_plan(state)
@@ -334,16 +335,27 @@ def _count_step(optimizer: torch.optim.Optimizer) -> None:
             state.optimizer_steps += 1
 
 
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global optimizer step pre-hook: an optimizer that holds no sharded parameter (as
+    of its parameter count when last checked) passes here, in a form Dynamo traces without a
+    graph break; any other goes to :func:`_check_sharded_optimizer`."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if (optimizer.__dict__.get("_graphshard_checked") == count
+            and not optimizer.__dict__["_graphshard_states"]):
+        return None
+    _check_sharded_optimizer(optimizer, count)
+    return None
+
+
 # Run as Python even inside a compiled ``optimizer.step`` (torch's ``torch.compile(opt.step)``
 # recipe; one graph break before the step): traced, Dynamo wrote the weak references of
 # ``_STATES`` back as their referents, and the next step raised "'ShardState' object is not
 # callable"; and its counts and checks must happen at every step, not once at tracing.
 @torch._dynamo.disable
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
+def _check_sharded_optimizer(optimizer: torch.optim.Optimizer, count: int) -> None:
     if optimizer.__dict__.get("_graphshard_checked") == count:
         _count_step(optimizer)
-        return None
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = getattr(p, "_graphshard_replaced", None)
@@ -358,10 +370,17 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     optimizer.__dict__["_graphshard_checked"] = count
     optimizer.__dict__["_graphshard_states"] = _states_stepped_by(optimizer)
     _count_step(optimizer)
-    return None
 
 
-_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+_HOOKS: list[Any] = []  # torch's handle of the step pre-hook, once installed
+
+
+def _watch_optimizers() -> None:
+    """Install the step pre-hook (once per process) when the first model is sharded: a
+    process that imports graphshard and shards nothing keeps torch's optimizer steps as
+    they were (a compiled one included)."""
+    if not _HOOKS:
+        _HOOKS.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
 def refuse_unsharded_parameters(example_inputs: Any, world_size: int) -> None:
