@@ -195,7 +195,7 @@ def _enter_root_forward(state: ShardState) -> Callable[..., None]:
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
         refuse_plain_parameters(module, state)
-        refuse_data_assignments(state)
+        refuse_data_assignments(state.params)
         _count_forward(state, 1)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)

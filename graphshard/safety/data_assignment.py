@@ -9,7 +9,9 @@ parameters, ignore it the same way; an assigned plain tensor also leaves the wra
 dtype its shard does not have). The one visible trace is the wrapper's storage, whose id
 changes. Each record keeps the id its parameter had when sharded (and after every swap
 graphshard follows: ``.to()``, ``to_empty()``, an accepted replacement), and the eager
-forward and ``optimizer.step()`` compare them: two ``map`` calls over the parameters.
+forward (the model's parameters) and ``optimizer.step()`` (the ones that optimizer holds: a
+per-parameter optimizer stepped from a gradient hook checks one) compare them: two ``map``
+calls over the parameters.
 A compiled forward does not check (its inputs are the local shards themselves); the next
 optimizer step does.
 """
@@ -21,7 +23,7 @@ from operator import attrgetter
 import torch
 
 from graphshard.errors import ShardedModelError
-from graphshard.records import ShardedParam, ShardState
+from graphshard.records import ShardedParam
 
 __all__ = ["record_wrapper", "refuse_data_assignments"]
 
@@ -36,12 +38,12 @@ def record_wrapper(entry: ShardedParam) -> None:
     entry.wrapper_id = _storage_id(entry.param)
 
 
-def refuse_data_assignments(state: ShardState) -> None:
-    """Raise if a parameter of the sharded model ``state`` records was given new data by
-    assignment (``param.data = ...``) since it was sharded. Not while Dynamo traces."""
+def refuse_data_assignments(params: list[ShardedParam]) -> None:
+    """Raise if a parameter these records hold (a model's, or an optimizer's share of them)
+    was given new data by assignment (``param.data = ...``) since it was sharded. Not while
+    Dynamo traces."""
     if torch.compiler.is_compiling():
         return
-    params = state.params
     if list(map(_storage_id, map(_PARAM, params))) == list(map(_RECORDED, params)):
         return
     changed = [e for e in params if _storage_id(e.param) != e.wrapper_id]

@@ -323,14 +323,20 @@ def _states_stepped_by(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
     return [ref for ref in _STATES if any(id(e.param) in held for e in ref().params)]
 
 
+def _entries_stepped_by(optimizer: torch.optim.Optimizer, states: list[weakref.ref]
+                        ) -> list[weakref.ref]:
+    """Weak references to the records of the sharded parameters ``optimizer`` holds."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [weakref.ref(e) for ref in states for e in ref().params if id(e.param) in held]
+
+
 def _count_step(optimizer: torch.optim.Optimizer) -> None:
     """One more optimizer step on each model whose parameters ``optimizer`` holds (none if
-    one of them was assigned new data: :mod:`graphshard.safety.data_assignment`)."""
-    states = [ref() for ref in optimizer.__dict__["_graphshard_states"]]
-    for state in states:
-        if state is not None:
-            refuse_data_assignments(state)
-    for state in states:
+    one of those parameters was assigned new data: :mod:`graphshard.safety.data_assignment`)."""
+    entries = [ref() for ref in optimizer.__dict__["_graphshard_entries"]]
+    refuse_data_assignments([e for e in entries if e is not None])
+    for ref in optimizer.__dict__["_graphshard_states"]:
+        state = ref()
         if state is not None:
             state.optimizer_steps += 1
 
@@ -367,8 +373,10 @@ def _check_sharded_optimizer(optimizer: torch.optim.Optimizer, count: int) -> No
                     "model = graphshard.shard(model); "
                     f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)."
                 )
+    states = _states_stepped_by(optimizer)
     optimizer.__dict__["_graphshard_checked"] = count
-    optimizer.__dict__["_graphshard_states"] = _states_stepped_by(optimizer)
+    optimizer.__dict__["_graphshard_states"] = states
+    optimizer.__dict__["_graphshard_entries"] = _entries_stepped_by(optimizer, states)
     _count_step(optimizer)
 
 
