@@ -316,18 +316,18 @@ def _refuse_plain_tensors(state: Any, module, state_dict, prefix, *args: Any) ->
 _STATES: list[weakref.ref] = []  # the sharding records of every sharded model
 
 
-def _states_stepped_by(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
-    """Weak references to the sharding records whose parameters ``optimizer`` holds."""
+def _stepped_by(optimizer: torch.optim.Optimizer) -> tuple[list[weakref.ref], list[weakref.ref]]:
+    """Weak references to the sharding records whose parameters ``optimizer`` holds, and to
+    the records of those parameters themselves."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     _STATES[:] = [ref for ref in _STATES if ref() is not None]
-    return [ref for ref in _STATES if any(id(e.param) in held for e in ref().params)]
-
-
-def _entries_stepped_by(optimizer: torch.optim.Optimizer, states: list[weakref.ref]
-                        ) -> list[weakref.ref]:
-    """Weak references to the records of the sharded parameters ``optimizer`` holds."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [weakref.ref(e) for ref in states for e in ref().params if id(e.param) in held]
+    states, entries = [], []
+    for ref in _STATES:
+        mine = [weakref.ref(e) for e in ref().params if id(e.param) in held]
+        if mine:
+            states.append(ref)
+            entries.extend(mine)
+    return states, entries
 
 
 def _count_step(optimizer: torch.optim.Optimizer) -> None:
@@ -373,10 +373,10 @@ def _check_sharded_optimizer(optimizer: torch.optim.Optimizer, count: int) -> No
                     "model = graphshard.shard(model); "
                     f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)."
                 )
-    states = _states_stepped_by(optimizer)
+    states, entries = _stepped_by(optimizer)
     optimizer.__dict__["_graphshard_checked"] = count
     optimizer.__dict__["_graphshard_states"] = states
-    optimizer.__dict__["_graphshard_entries"] = _entries_stepped_by(optimizer, states)
+    optimizer.__dict__["_graphshard_entries"] = entries
     _count_step(optimizer)
 
 
