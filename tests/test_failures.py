@@ -66,6 +66,8 @@ def job_plans_then_raise(rank: int, world_size: int) -> dict:
     out["double"] = _train_double(rank, world_size)
     # 5b. eager forwards that differ between ranks: refused at the end of the forward
     out.update(_diverging_forwards(rank))
+    # 5c. a data-dependent branch skips a module on one rank (compiled)
+    out.update(_skipped_expert(rank))
     # 6. rank 1 raises (its process then exits); rank 0 is in the forward's all-gather
     model = graphshard.shard(build("awkward"))
     start = time.monotonic()
@@ -131,6 +133,36 @@ def _diverging_forwards(rank: int) -> dict:
     else:
         out["compiled_no_sync"] = _error(lambda: compiled(x))
     return out
+
+
+class SkippingExperts(torch.nn.Module):
+    """A mixture of experts that skips an expert no token was routed to: a data-dependent
+    branch (after the graph break at ``torch.where``), so ranks trace different graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x, route):
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = torch.where(route == e)[0]
+            if idx.numel() == 0:
+                continue
+            y = y.index_add(0, idx, expert(x[idx]))
+        return self.out(x + y).sum()
+
+
+def _skipped_expert(rank: int) -> dict:
+    """Rank 1 routes no token to the last expert, so it skips it: refused at the compile of
+    the graph after the break, with what to change."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = graphshard.shard(SkippingExperts())
+    compiled = torch.compile(model, backend=graphshard.backend(inductor=False))
+    route = torch.tensor([0, 1, 2, 0] if rank == 0 else [0, 1, 1, 0])
+    return {"skipped_expert": _error(lambda: compiled(torch.randn(4, 8), route))}
 
 
 def _train_double(rank: int, world_size: int) -> float:
@@ -204,6 +236,8 @@ def test_different_backend_options_are_refused_at_compile(ranks):
         assert kind == "BackendCompilerFailed"  # how torch.compile reports backend errors
         assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
         assert "backend option prefetch_depth: rank 0 has 1, rank 1 has 2" in msg
+        assert "with the same graphshard.backend(...) options" in msg
+        assert "traced different code" not in msg  # the same parameters were read
 
 
 @pytest.mark.parametrize("case, says", [
@@ -219,6 +253,8 @@ def test_eager_forwards_that_differ_between_ranks_are_refused_on_every_rank(rank
         kind, msg = result[case]
         assert kind == "PlanMismatchError", (rank, msg)
         assert "the ranks ran different eager forwards" in msg and says in msg, msg
+        if case == "order":
+            assert "Call every module on every rank" in msg, msg
     assert all(result["same"] == ("", "no error") for result in ranks)
 
 
@@ -228,6 +264,19 @@ def test_a_rank_alone_in_no_sync_is_refused_at_the_first_compile(ranks):
         assert kind == "BackendCompilerFailed"  # how torch.compile reports backend errors
         assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
         assert "marker layers.0.weight" in msg and "sync=" in msg, msg
+        assert "enter graphshard.no_sync(model)" in msg, msg
+
+
+def test_a_module_skipped_on_one_rank_is_refused_with_what_to_change(ranks):
+    for result in ranks:
+        kind, msg = result["skipped_expert"]
+        assert kind == "BackendCompilerFailed", msg
+        assert "PlanMismatchError: graphshard: the compiled plan differs" in msg
+        assert "marker experts.2.weight: only on rank 0" in msg, msg
+        assert "marker out.weight: only on rank 1" in msg, msg
+        assert "The ranks traced different code" in msg and "Call every module on every rank" \
+            in msg, msg
+        assert "backend(...) options" not in msg, msg  # the options agree
 
 
 def test_dtype_change_after_shard_trains_correctly(ranks):

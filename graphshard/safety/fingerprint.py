@@ -26,7 +26,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -172,15 +172,51 @@ _DIFFERENT_COLLECTIVES = (
 )
 
 
+# Why ranks read different parameters, and what to change (compiled and eager messages).
+READS_DIFFER = (
+    "Control flow that depends on the data or on the rank changes which parameters a rank "
+    "reads; the common case is a mixture of experts that skips an expert no token was "
+    "routed to (`if idx.numel() == 0: continue`). Call every module on every rank at every "
+    "step (an expert given an empty slice of tokens computes nothing and gets a zero "
+    "gradient), or hold the experts in stacked parameters read once (as Hugging Face's "
+    "Mixtral does)."
+)
+
+_OPTIONS_DIFFER = (
+    "Every rank must compile the same model with the same graphshard.backend(...) options "
+    "(prefetch_depth, bucketing, bucket_bytes, profile, ...)."
+)
+
+
+def _compile_plan_fix(fps: list[dict[str, str]]) -> str:
+    """What to change, by what differs: the options, the parameters read, or how they are
+    read (gradient sync, frozen, dtype)."""
+    ref = fps[0]
+    differing = {key for fp in fps[1:] for key in ref.keys() | fp.keys()
+                 if fp.get(key) != ref.get(key)}
+    advice = []
+    if any(key.startswith("backend option") for key in differing):
+        advice.append(_OPTIONS_DIFFER)
+    if len({fp.get("marker order") for fp in fps}) > 1:
+        advice.append("The ranks traced different code: each compiled graph must read the "
+                      "same parameters in the same order on every rank. " + READS_DIFFER)
+    elif any(key.startswith("marker ") for key in differing):
+        advice.append("The ranks read the same parameters in different ways: enter "
+                      "graphshard.no_sync(model) (or set_requires_gradient_sync), freeze "
+                      "parameters and cast the model on every rank alike.")
+    return " ".join(advice) or _OPTIONS_DIFFER
+
+
 def compare_across_ranks(
     fp: Mapping[str, str],
     group: dist.ProcessGroup | None,
     what: str,
-    fix: str,
+    fix: str | Callable[[list[dict[str, str]]], str],
     consequence: str = _DIFFERENT_COLLECTIVES,
 ) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all ranks hold the
-    same fingerprint. A collective over ``group`` (skipped on fake groups and world size 1)."""
+    same fingerprint. A collective over ``group`` (skipped on fake groups and world size 1).
+    ``fix`` says what to change: a text, or a function of every rank's fingerprint."""
     if _skip(group):
         return
     size = dist.get_world_size(group)
@@ -191,6 +227,8 @@ def compare_across_ranks(
     fps: list[Any] = [None] * size
     dist.all_gather_object(fps, dict(fp), group=group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
+    if callable(fix):
+        fix = fix(fps)
     raise PlanMismatchError(
         f"graphshard: the {what} differs between ranks, {consequence}.\n  "
         f"{describe_differences(fps, ranks)}\n{fix}"
@@ -267,9 +305,6 @@ def check_compile_plan(gm: fx.GraphModule, plan: Any) -> None:
     for group_name in dict.fromkeys(names):
         if (group_name, digest) in _compared:
             continue
-        compare_across_ranks(
-            fp, _resolve_process_group(group_name), "compiled plan",
-            "Every rank must compile the same model with the same graphshard.backend(...) "
-            "options (prefetch_depth, bucketing, bucket_bytes, profile, ...).",
-        )
+        compare_across_ranks(fp, _resolve_process_group(group_name), "compiled plan",
+                             _compile_plan_fix)
         _compared.add((group_name, digest))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from graphshard.errors import PlanMismatchError
 from graphshard.passes.markers import GradSync
-from graphshard.safety.fingerprint import _skip
+from graphshard.safety.fingerprint import READS_DIFFER, _skip
 
 __all__ = ["check_same_forward"]
 
@@ -60,10 +60,11 @@ def _first_difference(summaries: list[Any]) -> str:
             if mine != theirs:
                 return (f"read {index} of the forward: rank 0 read {_describe(mine)}, rank "
                         f"{rank} read {_describe(theirs)}. Every rank must read the parameters "
-                        "in the same order and freeze the same ones (the reads gather).")
+                        "in the same order and freeze the same ones (the reads gather). "
+                        + READS_DIFFER)
         if len(reads) != len(reads0):
             return (f"rank 0's forward read {len(reads0)} parameters, rank {rank}'s "
-                    f"{len(reads)}. Every rank must run the same modules.")
+                    f"{len(reads)}. Every rank must run the same modules. " + READS_DIFFER)
     return "the ranks' forwards differ"
 
 
