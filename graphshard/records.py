@@ -85,6 +85,11 @@ class ShardState:
     # (graphshard.safety.mutation): (reference to the copy, its version, parameter name),
     # the last one a strong reference, the others weak
     eager_reads: list = field(default_factory=list)
+    # eager gathers shared by a module call's reads (graphshard.api.eager_gathers):
+    # (name, grad mode, inference mode) -> (gathered copy, its version, depth of the call),
+    # and the keys gathered at each depth
+    eager_gathered: dict = field(default_factory=dict)
+    eager_gathered_at: dict = field(default_factory=dict)
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

@@ -1,6 +1,7 @@
 """Training loops as users write them, eager and compiled on 2 gloo ranks, against one
 process (``training_loops_jobs``): two sharded models in one step (a GAN, a frozen teacher
-with its student), and a Hugging Face Llama whose decoder layers are compiled one by one."""
+with its student), a Hugging Face Llama whose decoder layers are compiled one by one, and
+mixtures of experts whose ranks route their tokens to different experts."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from training_loops_jobs import (
+    EXPERT_STEPS,
     LLAMA_STEPS,
     MODES,
     STEPS,
     build,
     reference_block_compile,
+    reference_experts,
     reference_two_models,
     run_jobs,
 )
@@ -21,8 +24,9 @@ import graphshard
 
 WORLD = 2
 BLOCK_COMPILES = ("module_compile", "wrapped")
-JOBS = [("two_models", mode) for mode in MODES] + [("block_compile", how)
-                                                   for how in BLOCK_COMPILES]
+JOBS = ([("two_models", mode) for mode in MODES]
+        + [("block_compile", how) for how in BLOCK_COMPILES]
+        + [("experts", mode) for mode in MODES])
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,24 @@ def test_decoder_layers_compiled_one_by_one_train_like_one_process(ranks, how):
         torch.testing.assert_close(res["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
         _assert_state(res["state"], plain["state"])
         assert res["graphs"] >= 1 and res["breaks"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixtures_of_experts_whose_ranks_route_differently_train_like_one_process(ranks, mode):
+    """Hugging Face's Mixtral with its loop over the experts hit (eagerly: it reads the stacked
+    expert weights once per expert hit, and the ranks hit different numbers of experts; each
+    read gathered, so the ranks' gathers paired wrongly and gloo aborted), and a mixture that
+    calls every expert of a ``ModuleList`` on its rows, some of them none on rank 1 (eager
+    and compiled): losses and parameters match one process."""
+    plain = reference_experts(WORLD)
+    results = _result(ranks, ("experts", mode))
+    assert len(results[0]["hits"]) != len(results[1]["hits"]), results  # 11 and 8 experts
+    assert results[0]["unused"] == [] and results[1]["unused"] != [], results
+    for res in results:
+        assert len(res["losses"]) == EXPERT_STEPS
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(plain["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        _assert_state(res["state"], plain["state"])
 
 
 def test_a_compiled_optimizer_step_trains_like_the_plain_models_and_is_counted(one_rank):

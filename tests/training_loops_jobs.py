@@ -200,9 +200,126 @@ def reference_block_compile(world_size: int) -> dict:
     return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
 
 
+# ----------------------------------------------------------------- mixtures of experts
+
+EXPERT_STEPS = 3
+
+
+def mixtral() -> nn.Module:
+    """A small Hugging Face Mixtral from seed 0 whose experts run Hugging Face's loop over the
+    experts hit (``experts_implementation="eager"``): it reads the stacked ``gate_up_proj``
+    and ``down_proj`` once per expert hit, so the number of reads follows the routing. 16
+    experts, top 2, 8 tokens a rank: the ranks hit different experts."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=16, num_experts_per_tok=2, use_cache=False,
+        experts_implementation="eager"))  # fmt: skip
+
+
+class EveryExpert(nn.Module):
+    """A mixture of experts held in a ``ModuleList`` that calls every expert at every step,
+    on the tokens routed to it (possibly none), as docs/failures.md advises instead of
+    skipping an expert without tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16)) for _ in range(4))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = self.router(x).argmax(-1)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = torch.where(route == e)[0]
+            y = y.index_add(0, idx, expert(x[idx]))
+        return self.out(x + y)
+
+
+def every_expert() -> nn.Module:
+    torch.manual_seed(0)
+    return EveryExpert()
+
+
+def expert_rows(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows for :class:`EveryExpert`: rank 1's are shifted so that the router
+    sends none of them to some expert."""
+    rows = torch.randn(6, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+    return rows + 3.0 * rank
+
+
+def train_experts(models: dict[str, nn.Module], nets: dict[str, nn.Module],
+                  batches) -> list[list[float]]:
+    """``EXPERT_STEPS`` steps of SGD on both models; per step, each model's loss.
+    ``batches(step)``: a list of (token ids, rows) pairs, one per rank's batch."""
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            for k, m in models.items()}
+    losses = []
+    for step in range(EXPERT_STEPS):
+        pieces = batches(step)
+        lm = sum(nets["mixtral"](input_ids=ids, labels=ids).loss for ids, _ in pieces)
+        moe = sum(nets["every_expert"](rows).square().mean() for _, rows in pieces)
+        step_losses = [lm / len(pieces), moe / len(pieces)]
+        for loss in step_losses:
+            loss.backward()
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+        losses.append([loss.detach() for loss in step_losses])
+    return losses
+
+
+def expert_ids(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s token ids for the Mixtral at ``step``."""
+    return torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def job_experts(rank: int, world_size: int, mode: str) -> dict:
+    """Train both mixtures of experts sharded; Hugging Face's Mixtral only eagerly (its
+    compiled step reads each parameter once whatever the routing). Also returns the experts
+    experts each rank's Mixtral routed to in its first layer at the first step, and the
+    experts ``EveryExpert`` gave no row at any step."""
+    models = {"mixtral": mixtral(), "every_expert": every_expert()}
+    hits: list[list[int]] = []
+    models["mixtral"].model.layers[0].mlp.gate.register_forward_hook(
+        lambda m, args, out: hits.append(sorted(set(out[-1].flatten().tolist()))))
+    routes: list[torch.Tensor] = []
+    models["every_expert"].router.register_forward_hook(
+        lambda m, args, out: routes.append(out.detach().argmax(-1)))
+    for model in models.values():
+        graphshard.shard(model)
+    nets = dict(models)
+    if mode == "compiled":
+        nets["every_expert"] = torch.compile(models["every_expert"], backend="graphshard")
+    losses = train_experts(models, nets, lambda step: [(expert_ids(step, rank),
+                                                        expert_rows(step, rank))])
+    means = []
+    for pair in losses:
+        stacked = torch.stack(pair)
+        dist.all_reduce(stacked)
+        means.append((stacked / world_size).tolist())
+    unused = sorted(set(range(4)) - set(torch.cat(routes).tolist()))
+    return {"losses": means, "state": state(models), "hits": hits[0], "unused": unused}
+
+
+def reference_experts(world_size: int) -> dict:
+    """Both models in one process, every rank's batch each step."""
+    models = {"mixtral": mixtral(), "every_expert": every_expert()}
+    losses = train_experts(models, models, lambda step: [
+        (expert_ids(step, r), expert_rows(step, r)) for r in range(world_size)])
+    return {"losses": [[loss.item() for loss in pair] for pair in losses],
+            "state": state(models)}
+
+
 # --------------------------------------------------------------------------- launch
 
-JOBS = {"two_models": job_two_models, "block_compile": job_block_compile}
+JOBS = {"two_models": job_two_models, "block_compile": job_block_compile,
+        "experts": job_experts}
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:

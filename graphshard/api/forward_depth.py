@@ -39,6 +39,7 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
+from graphshard.api.eager_gathers import release
 from graphshard.records import ShardState
 from graphshard.safety.data_assignment import refuse_data_assignments
 from graphshard.safety.mutation import end_eager_reads
@@ -88,8 +89,11 @@ def is_graphshard_hook(hook: Any) -> bool:
 
 
 def _leave(state: ShardState, unwinding: bool) -> None:
-    """After the outermost forward: check that every rank read what this one did (or, when an
-    error unwinds it, only forget the reads)."""
+    """After a counted call returns: let go of the gathered copies its reads shared; after
+    the outermost forward, check that every rank read what this one did (or, when an error
+    unwinds it, only forget the reads)."""
+    if not torch.compiler.is_compiling() and state.eager_gathered_at:
+        release(state, unwinding)  # the copies the call that returned shared
     if state.forward_depth == 0 and state.eager_reads:
         if unwinding:
             state.eager_reads = []

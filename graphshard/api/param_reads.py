@@ -34,6 +34,7 @@ from torch import nn
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
+from graphshard.api.eager_gathers import read_once
 from graphshard.api.local_inputs import (
     LOCAL_INDEX_ATTR,
     LOCALS_ATTR,
@@ -215,8 +216,11 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     state = self._graphshard_root_state
     if not reads_gather(state):
         return self._parameters[name]
-    full = gathered_param(self, name, state)
-    if state.forward_depth > 0:
+    if state.forward_depth == 0:  # in a backward, outside any forward
+        return gathered_param(self, name, state)
+    full, gathered = read_once(state, self._graphshard_specs[name][0].names[0],
+                               lambda: gathered_param(self, name, state))
+    if gathered:
         note_eager_read(state, full, self._graphshard_specs[name][0].names[0])
     return full
 

@@ -178,7 +178,7 @@ READS_DIFFER = (
     "reads; the common case is a mixture of experts that skips an expert no token was "
     "routed to (`if idx.numel() == 0: continue`). Call every module on every rank at every "
     "step (an expert given an empty slice of tokens computes nothing and gets a zero "
-    "gradient), or hold the experts in stacked parameters read once (as Hugging Face's "
+    "gradient), or hold the experts in stacked parameters of one module (as Hugging Face's "
     "Mixtral does)."
 )
 

@@ -4,13 +4,15 @@ Inside forward, ``self.weight`` is the gathered copy of the shards (``unshard``)
 parameter: an in-place update of it (``with torch.no_grad(): self.w.clamp_(...)``) changes
 that copy only, and the shard, which the optimizer and the next step read, never sees it.
 Worse, the copy's lifetime differs between the compiled step (reads of one parameter share
-one gather, so a later read sees the update) and the eager one (every read gathers again),
-so the two disagree with each other and with one process. FSDP2 loses such updates the same
-way. graphshard raises instead, naming the parameter: compiled, from the Dynamo graph before
-any pass runs; eagerly, from the version counters of the forward's gathered copies, checked
-at the next read and when the forward ends. The last copy read is held until the next read
-(one parameter's memory), so an update of a copy that is dropped right away (a read under
-``no_grad``) is caught too; the others are held by weak references and freed as usual.
+one gather for the whole graph) and the eager one (they share one per module call,
+:mod:`graphshard.api.eager_gathers`), so a later read would see the update or not depending
+on where it is, and the two would disagree with each other and with one process. FSDP2
+loses such updates the same way. graphshard raises instead, naming the parameter: compiled,
+from the Dynamo graph before any pass runs; eagerly, from the version counters of the
+forward's gathered copies, checked at the next gather, when the module call that shares a
+copy returns, and when the forward ends. The last copy gathered is held until the next
+gather (one parameter's memory), so an update of a copy that is dropped right away is
+caught too; the others are held by weak references and freed as usual.
 Update the parameter outside forward (``with torch.no_grad(): model.w.clamp_(...)`` on the
 sharded DTensor, e.g. after ``optimizer.step()``), or use the clamped value out of place.
 """
@@ -28,6 +30,7 @@ from graphshard.passes.markers import is_unshard, marker_args
 
 __all__ = [
     "refuse_gathered_parameter_mutation", "note_eager_read", "end_eager_reads", "mutation_error",
+    "check_unchanged",
 ]
 
 # Dynamo-graph ops that return a view of their first argument (an in-place update through
@@ -104,6 +107,13 @@ def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
 def _check(ref, version: int | None, name: str) -> None:
     gathered = ref()
     if version is not None and gathered is not None and gathered._version != version:
+        raise mutation_error(name, "update")
+
+
+def check_unchanged(gathered: torch.Tensor, version: int | None, name: str) -> None:
+    """Raise if the gathered copy of ``name`` changed since its version was ``version`` (None:
+    an inference tensor, not checked)."""
+    if version is not None and gathered._version != version:
         raise mutation_error(name, "update")
 
 

@@ -1,7 +1,8 @@
 """Ranks must run the same eager forward; compared at its end, before backward.
 
-Eagerly every parameter read all-gathers on its own, and collectives pair up by the order
-ranks issue them: if rank 0 reads ``layers.0`` then ``layers.1`` and rank 1 the other way
+Eagerly a module call all-gathers each parameter it reads (once: its later reads share the
+copy, :mod:`graphshard.api.eager_gathers`), and collectives pair up by the order ranks issue
+them: if rank 0 reads ``layers.0`` then ``layers.1`` and rank 1 the other way
 round, same-shaped gathers pair across layers and the step computes garbage with no error.
 The same holds when one rank alone is inside ``no_sync`` (it holds back a reduction the others
 issue), freezes a layer (it skips that layer's reduce-scatter), or skipped an

@@ -1,0 +1,131 @@
+"""Eagerly, the reads of one parameter inside one module call share one gather
+(:mod:`graphshard.api.eager_gathers`), on a fake group of 2 ranks: the collectives are
+counted as they are dispatched (the numerics are checked on real ranks, in
+``test_training_loops.py``). Not with torch's ``CommDebugMode``: its module tracker raises
+``IndexError`` in ``_fw_set_module_hook`` on a plain two-level model whose child is called
+twice (torch 2.13)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphshard
+from graphshard.api.sharding import shard_state
+from graphshard.errors import ShardedModelError
+from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
+
+
+class Reads(nn.Module):
+    """Reads its weight and bias ``times`` times in one forward (a count that, in a mixture
+    of experts, follows the routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8))
+        self.b = nn.Parameter(torch.zeros(4))
+        self.times = 3
+        self.scale_without_grad = False
+        self.update_in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_without_grad:
+            with torch.no_grad():
+                x = x / self.w.norm()
+        y = x.new_zeros(x.shape[0], 4)
+        for _ in range(self.times):
+            w = self.w
+            if self.update_in_place:
+                with torch.no_grad():
+                    w.mul_(2.0)
+            y = y + F.linear(x, w, self.b)
+        return y
+
+
+class Twice(nn.Module):
+    """Calls ``inner`` twice, then the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Reads()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x) + self.inner(x)).sum()
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the eager gathers (``graphshard::unshard``, one all-gather each at world 2) and
+    gradient reductions (``graphshard::reduce_grad``, one reduce-scatter each) dispatched
+    while it is active; the collectives inside them run below the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers = self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is UNSHARD:
+            self.gathers += 1
+        elif func is REDUCE_GRAD:
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(mode: Collectives) -> tuple[int, int]:
+    return mode.gathers, mode.others
+
+
+@pytest.mark.parametrize("times", [1, 5])
+def test_a_module_call_gathers_each_parameter_once_however_often_it_reads_it(fake2, times):
+    model = graphshard.shard(Twice())
+    model.inner.times = times
+    x = torch.randn(3, 8)
+    with Collectives() as forward:
+        loss = model(x)
+    with Collectives() as backward:
+        loss.backward()
+    # inner's two calls gather w and b each (4), the head its weight and bias (2): six
+    # gathers whatever ``times`` is (14 at times=3 when every read gathered), one
+    # reduce-scatter for each
+    assert _counts(forward) == (6, 0)
+    assert _counts(backward)[1] == 6
+    assert all(p.grad is not None for p in model.parameters())
+    assert shard_state(model).eager_gathered == {}
+
+
+def test_a_call_lets_go_of_its_gathers_when_it_returns(fake2):
+    """Under ``torch.no_grad()`` nothing saves a gathered parameter for backward: a call's
+    copies go when it returns (the head runs while none of inner's is held)."""
+    model = graphshard.shard(Twice())
+    state = shard_state(model)
+    held: list[set[str]] = []
+    model.head.register_forward_pre_hook(
+        lambda m, args: held.append({key[0] for key in state.eager_gathered}))
+    with torch.no_grad():
+        model(torch.randn(3, 8))
+    assert held == [set()]
+    assert state.eager_gathered == {} and state.eager_gathered_at == {}
+
+
+def test_a_read_without_grad_does_not_serve_a_read_that_trains(fake2):
+    """The weight read under ``torch.no_grad()`` first, then with grad in the same call: two
+    gathers of it (the first copy has no autograd history), and it gets a gradient."""
+    model = graphshard.shard(Reads())
+    model.scale_without_grad = True
+    with Collectives() as forward:
+        loss = model(torch.randn(3, 8)).sum()
+    assert _counts(forward) == (3, 0)  # w without grad, w and b with it
+    loss.backward()
+    assert model.w.grad is not None and model.b.grad is not None
+
+
+def test_an_in_place_update_of_a_shared_copy_is_refused_when_the_call_returns(fake2):
+    model = graphshard.shard(Reads())
+    model.update_in_place = True
+    with pytest.raises(ShardedModelError, match="In-place update on parameter 'w'"):
+        model(torch.randn(3, 8))
+    model.update_in_place = False
+    model(torch.randn(3, 8)).sum().backward()  # the model still trains after the refusal
