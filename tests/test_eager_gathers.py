@@ -37,11 +37,11 @@ class Reads(nn.Module):
                 x = x / self.w.norm()
         y = x.new_zeros(x.shape[0], 4)
         for _ in range(self.times):
+            y = y + F.linear(x, self.w, self.b)
+        if self.update_in_place:  # the shared copy, after the last gather: found at return
             w = self.w
-            if self.update_in_place:
-                with torch.no_grad():
-                    w.mul_(2.0)
-            y = y + F.linear(x, w, self.b)
+            with torch.no_grad():
+                w.mul_(2.0)
         return y
 
 
@@ -127,5 +127,9 @@ def test_an_in_place_update_of_a_shared_copy_is_refused_when_the_call_returns(fa
     model.update_in_place = True
     with pytest.raises(ShardedModelError, match="In-place update on parameter 'w'"):
         model(torch.randn(3, 8))
+    state = shard_state(model)
+    # nothing held over: no copy, and no read for the next forward's cross-rank comparison
+    assert state.eager_gathered == {} and state.eager_gathered_at == {}
+    assert state.eager_reads == []
     model.update_in_place = False
     model(torch.randn(3, 8)).sum().backward()  # the model still trains after the refusal

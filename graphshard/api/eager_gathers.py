@@ -53,8 +53,9 @@ def release(state: ShardState, unwinding: bool) -> None:
     of the copies gathered at deeper depths, raising if one was updated in place (unless an
     error is unwinding the call)."""
     depth = state.forward_depth
-    for level in [level for level in state.eager_gathered_at if level > depth]:
-        for key in state.eager_gathered_at.pop(level):
-            full, version, _ = state.eager_gathered.pop(key)
-            if not unwinding:
-                check_unchanged(full, version, key[0])
+    released = [(key, state.eager_gathered.pop(key))
+                for level in [level for level in state.eager_gathered_at if level > depth]
+                for key in state.eager_gathered_at.pop(level)]
+    if not unwinding:  # every copy is let go first: a refusal leaves none for the next forward
+        for key, (full, version, _) in released:
+            check_unchanged(full, version, key[0])

@@ -93,7 +93,12 @@ def _leave(state: ShardState, unwinding: bool) -> None:
     the outermost forward, check that every rank read what this one did (or, when an error
     unwinds it, only forget the reads)."""
     if not torch.compiler.is_compiling() and state.eager_gathered_at:
-        release(state, unwinding)  # the copies the call that returned shared
+        try:
+            release(state, unwinding)  # the copies the call that returned shared
+        except BaseException:
+            if state.forward_depth == 0:  # the forward is over: the next one starts afresh
+                state.eager_reads = []
+            raise
     if state.forward_depth == 0 and state.eager_reads:
         if unwinding:
             state.eager_reads = []
