@@ -218,10 +218,10 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
         return self._parameters[name]
     if state.forward_depth == 0:  # in a backward, outside any forward
         return gathered_param(self, name, state)
-    full, gathered = read_once(state, self._graphshard_specs[name][0].names[0],
-                               lambda: gathered_param(self, name, state))
+    param_name = self._graphshard_specs[name][0].names[0]
+    full, gathered = read_once(state, param_name, lambda: gathered_param(self, name, state))
     if gathered:
-        note_eager_read(state, full, self._graphshard_specs[name][0].names[0])
+        note_eager_read(state, full, param_name)
     return full
 
 
