@@ -282,7 +282,7 @@ def expert_ids(step: int, rank: int) -> torch.Tensor:
 def job_experts(rank: int, world_size: int, mode: str) -> dict:
     """Train both mixtures of experts sharded; Hugging Face's Mixtral only eagerly (its
     compiled step gathered each parameter once whatever the routing before eager reads shared
-    their gathers, and is left out for the compile time). Also returns the experts
+    their gathers, and is left out for the compile time). Also returns the
     experts each rank's Mixtral routed to in its first layer at the first step, and the
     experts ``EveryExpert`` gave no row at any step."""
     models = {"mixtral": mixtral(), "every_expert": every_expert()}
