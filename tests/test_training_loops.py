@@ -12,10 +12,13 @@ from training_loops_jobs import (
     EXPERT_STEPS,
     LLAMA_STEPS,
     MODES,
+    MUON_STEPS,
     STEPS,
     build,
+    muon_model,
     reference_block_compile,
     reference_experts,
+    reference_muon,
     reference_two_models,
     run_jobs,
 )
@@ -26,7 +29,7 @@ WORLD = 2
 BLOCK_COMPILES = ("module_compile", "wrapped")
 JOBS = ([("two_models", mode) for mode in MODES]
         + [("block_compile", how) for how in BLOCK_COMPILES]
-        + [("experts", mode) for mode in MODES])
+        + [("experts", mode) for mode in MODES] + [("muon", "eager")])
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,26 @@ def test_mixtures_of_experts_whose_ranks_route_differently_train_like_one_proces
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(plain["losses"]),
                                    rtol=1e-5, atol=1e-6)
         _assert_state(res["state"], plain["state"])
+
+
+def test_muon_steps_the_shards_as_on_fsdp2s_parameters(ranks):
+    """torch's Muon (Newton-Schulz on each 2-D weight, run by DTensor on the sharded matrix)
+    gives graphshard's parameters exactly what it gives FSDP2's; both are within the rounding
+    of its bf16 iterations of one process (which runs them on the whole matrices)."""
+    plain = reference_muon(WORLD)
+    start = {name: p.detach() for name, p in muon_model().named_parameters()}
+    for res in _result(ranks, ("muon", "eager")):
+        ours, theirs = res["graphshard"], res["fsdp2"]
+        assert len(ours["losses"]) == MUON_STEPS
+        assert ours["losses"] == theirs["losses"]
+        for name, value in theirs["state"].items():
+            assert torch.equal(ours["state"][name], value), name
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(plain["losses"]),
+                                   rtol=1e-3, atol=0)
+        for name, value in plain["state"].items():
+            torch.testing.assert_close(ours["state"][name], value, rtol=0, atol=5e-3,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert not torch.equal(value, start[name])  # it trained
 
 
 def test_a_compiled_optimizer_step_trains_like_the_plain_models_and_is_counted(one_rank):

@@ -317,10 +317,79 @@ def reference_experts(world_size: int) -> dict:
             "state": state(models)}
 
 
+# ------------------------------------------------------------------------------- Muon
+
+MUON_STEPS = 3
+
+
+def muon_model() -> nn.Module:
+    """From seed 0: odd widths, so that the Newton-Schulz matrices split unevenly."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 33), nn.GELU(), nn.Linear(33, 21), nn.GELU(),
+                         nn.Linear(21, 5))
+
+
+def muon_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's Muon for the 2-D weights (it takes nothing else), AdamW for the biases."""
+    params = list(model.parameters())
+    return [torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=0.01)]
+
+
+def muon_rows(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 12, generator=gen), torch.randn(4, 5, generator=gen)
+
+
+def train_muon(model: nn.Module, batches) -> list[torch.Tensor]:
+    """``MUON_STEPS`` steps of the mean squared error on ``batches(step)`` (a list of
+    (rows, targets), one per rank's batch)."""
+    opts = muon_optimizers(model)
+    losses = []
+    for step in range(MUON_STEPS):
+        pieces = batches(step)
+        loss = sum(F.mse_loss(model(x), y) for x, y in pieces) / len(pieces)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def job_muon(rank: int, world_size: int, mode: str) -> dict:
+    """The same model and loop sharded by graphshard (eager) and by FSDP2 (a ``fully_shard``
+    per layer and on the root): the final parameters of each."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = graphshard.shard(muon_model())
+    fsdp2 = muon_model()
+    for layer in fsdp2:
+        if next(layer.parameters(), None) is not None:
+            fully_shard(layer)
+    fully_shard(fsdp2)
+    out = {}
+    for name, model in (("graphshard", sharded), ("fsdp2", fsdp2)):
+        losses = train_muon(model, lambda step: [muon_rows(step, rank)])
+        means = []
+        for loss in losses:
+            dist.all_reduce(loss)
+            means.append((loss / world_size).item())
+        out[name] = {"losses": means, "state": state({"": model})}
+    return out
+
+
+def reference_muon(world_size: int) -> dict:
+    """The plain model, every rank's batch each step, in one process."""
+    model = muon_model()
+    losses = train_muon(model, lambda step: [muon_rows(step, r) for r in range(world_size)])
+    return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
+
+
 # --------------------------------------------------------------------------- launch
 
 JOBS = {"two_models": job_two_models, "block_compile": job_block_compile,
-        "experts": job_experts}
+        "experts": job_experts, "muon": job_muon}
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
