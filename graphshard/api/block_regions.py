@@ -265,6 +265,52 @@ def _in_checkpoint_under_dynamic_shapes() -> bool:
         return False
 
 
+@torch.compiler.assume_constant_result
+def _compiled_by_plain_inductor() -> bool:
+    """Whether Dynamo is now tracing for Inductor itself (``torch.compile(model)``, or
+    ``backend="inductor"``) rather than for graphshard's backend, which runs Inductor after
+    its passes. Inductor alone lowers the graphshard markers around a block's region wrongly
+    (torch 2.13: a tiny Llama's embedding gradient came out 1459 off one process's, a small
+    MLP's first layer of each block at cosine 0.95; aot_eager and graphshard's backend are
+    exact), so there the blocks run inline, which trains exactly. Called by Dynamo while it
+    traces; False where its internals differ."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except (AttributeError, AssertionError, ImportError):
+        return False
+    for _ in range(8):  # Dynamo's wrappers, torch.compile's, then the backend itself
+        if backend is None:
+            return False
+        if (type(backend).__name__ == "_TorchCompileInductorWrapper"
+                or getattr(backend, "__name__", None) == "compile_fx"):
+            return True
+        backend = (getattr(backend, "_torchdynamo_orig_backend", None)
+                   or getattr(backend, "compiler_fn", None))
+    return False
+
+
+_PLAIN_INDUCTOR_NOTED: set[str] = set()
+
+
+@torch.compiler.assume_constant_result
+def _note_plain_inductor(block_class: str) -> bool:
+    """Warn, once per block class in a process, that the sharded model is compiled by
+    Inductor itself. Called by Dynamo while it traces, with constants."""
+    if block_class not in _PLAIN_INDUCTOR_NOTED:
+        _PLAIN_INDUCTOR_NOTED.add(block_class)
+        warnings.warn(
+            "graphshard: the sharded model is compiled by Inductor itself (torch.compile("
+            "model) without backend='graphshard'): each parameter is gathered and its gradient "
+            "reduced on its own inside the graph, with no bucketing, prefetch or overlap, and "
+            f"the {block_class} blocks run inline, each compiled on its own (Inductor lowers "
+            "graphshard's block regions wrongly outside its backend). Compile with "
+            "torch.compile(model, backend='graphshard').",
+            BlockInlinedWarning, stacklevel=2)
+    return True
+
+
 def _inline_reason(args: tuple, kwargs: dict) -> str | None:
     """Why a block call must run inline rather than as its region, or None."""
     held = _object_operand(args, kwargs)
@@ -312,6 +358,9 @@ def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     inline where the region could not serve the call: :func:`_inline_reason`)."""
     forward = self._graphshard_block_forward
     if not torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    if _compiled_by_plain_inductor():
+        _note_plain_inductor(type(self).__name__)
         return forward(self, *args, **kwargs)
     reason = _inline_reason(args, kwargs)
     if reason is not None:

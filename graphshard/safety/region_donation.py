@@ -15,12 +15,12 @@ first block's and the embedding's gradients came out wrong.
 The workaround does what the upstream fix does: region bodies donate nothing (the step
 graph keeps its donations). :func:`regions_donate_no_inputs_in_this_process` applies it to
 every Inductor compile of the process, once: where ``shard()`` installs the block regions
-(a model with regions may also be compiled by plain Inductor, ``torch.compile(model)``) and
-whenever graphshard's backend compiles. Within graphshard's compiles,
-:func:`regions_donate_no_inputs` also tags Inductor's FX-graph cache keys: they do not
-cover donation, so without the tag a body compiled before the workaround would still be
-loaded from the cache. (Plain Inductor's keys are left alone: a tag there would change the
-keys of everything else the process compiles.)
+and whenever graphshard's backend compiles. (Plain Inductor, ``torch.compile(model)``, runs
+a sharded model's blocks inline: :func:`graphshard.api.block_regions.region_forward`.)
+Within graphshard's compiles, :func:`regions_donate_no_inputs` also tags Inductor's FX-graph
+cache keys: they do not cover donation, so without the tag a body compiled before the
+workaround would still be loaded from the cache. (Plain Inductor's keys are left alone: a
+tag there would change the keys of everything else the process compiles.)
 """
 
 from __future__ import annotations
