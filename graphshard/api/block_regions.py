@@ -269,11 +269,14 @@ def _in_checkpoint_under_dynamic_shapes() -> bool:
 def _compiled_by_plain_inductor() -> bool:
     """Whether Dynamo is now tracing for Inductor itself (``torch.compile(model)``, or
     ``backend="inductor"``) rather than for graphshard's backend, which runs Inductor after
-    its passes. Inductor alone lowers the graphshard markers around a block's region wrongly
-    (torch 2.13: a tiny Llama's embedding gradient came out 1459 off one process's, a small
-    MLP's first layer of each block at cosine 0.95; aot_eager and graphshard's backend are
-    exact), so there the blocks run inline, which trains exactly. Called by Dynamo while it
-    traces; False where its internals differ."""
+    its passes. Inductor does not know that a region's saved output may share its operand's
+    storage (a block under ``h = h + block(h)`` saves a view of ``h``), writes the sum into
+    that storage, and the backward reads the sum (torch 2.11 to 2.14; graphshard's backend
+    rewires such outputs, ``passes/regions.py``, ``tests/test_region_aliases.py``). Alone it
+    gave a tiny Llama's embedding a gradient 1459 off one process's, a small MLP's first
+    layer of each block gradients at cosine 0.95 (aot_eager is exact). So there the blocks
+    run inline, which trains exactly. Called by Dynamo while it traces; False where its
+    internals differ."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
