@@ -84,6 +84,17 @@ def test_parameter_in_two_buckets():
             graphshard.shard(model, buckets=[[model[0]], [model]])
 
 
+@pytest.mark.parametrize("group", ["empty", "without parameters"])
+def test_a_bucket_without_parameters_is_refused(group):
+    """An empty group (a list comprehension that matched nothing) or one of modules without
+    parameters made an empty bucket before, silently."""
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        buckets = [[model[0]], [] if group == "empty" else [model[1]]]
+        with pytest.raises(ValueError, match=r"buckets\[1\] holds no parameters"):
+            graphshard.shard(model, buckets=buckets)
+
+
 def test_bucket_module_outside_the_model():
     with fake_process_group(2):
         model = nn.Sequential(nn.Linear(4, 4))

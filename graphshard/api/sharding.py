@@ -195,6 +195,13 @@ def _assign_buckets(
                         f"A parameter of {names_of[id(m)]} is in buckets[{bucket_of[id(p)]}] and "
                         f"buckets[{index}]: each parameter may belong to one bucket only."
                     )
+        if not first_wins and index not in bucket_of.values():
+            held = " + ".join(labels) if labels else "nothing"
+            raise GraphshardValueError(
+                f"buckets[{index}] holds no parameters (it names {held}): each group must name "
+                f"modules with parameters. Drop it, or name the modules whose parameters it "
+                f"should gather together."
+            )
         bucket_names.append("+".join(labels))
     rest = len(groups)
     bucket_names.append("<rest>")
