@@ -86,8 +86,8 @@ class ShardState:
     # the last one a strong reference, the others weak
     eager_reads: list = field(default_factory=list)
     # eager gathers shared by a module call's reads (graphshard.api.eager_gathers):
-    # (name, grad mode, inference mode) -> (gathered copy, its version, depth of the call),
-    # and the keys gathered at each depth
+    # (name, grad mode, inference mode) -> (gathered copy, its version), and the keys
+    # gathered at each depth of counted calls
     eager_gathered: dict = field(default_factory=dict)
     eager_gathered_at: dict = field(default_factory=dict)
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts

@@ -265,14 +265,16 @@ def test_trains_exactly_as_block_by_block(one_rank, precision):
 
 
 def test_plain_inductor_runs_the_blocks_inline_trains_exactly_and_says_to_use_graphshard(
-        one_rank):
+        one_rank, monkeypatch):
     """``torch.compile(model)`` without graphshard's backend: Inductor alone lowered the
     markers around the block regions wrongly (here the embedding's gradient came out 1459
     off one process's, the value projections' 518; at world 2 too). The blocks run inline
     there: the gradients are one process's, and a warning says to compile with graphshard's
     backend."""
+    from graphshard.api import block_regions
     from graphshard.api.block_regions import BlockInlinedWarning
 
+    monkeypatch.setattr(block_regions, "_INLINED_NOTED", set())  # warned once a process
     torch.manual_seed(0)
     plain = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48, max_seq_len=8))
     plain.init_weights(0)

@@ -294,23 +294,17 @@ def _compiled_by_plain_inductor() -> bool:
     return False
 
 
-_PLAIN_INDUCTOR_NOTED: set[str] = set()
-
-
 @torch.compiler.assume_constant_result
 def _note_plain_inductor(block_class: str) -> bool:
     """Warn, once per block class in a process, that the sharded model is compiled by
     Inductor itself. Called by Dynamo while it traces, with constants."""
-    if block_class not in _PLAIN_INDUCTOR_NOTED:
-        _PLAIN_INDUCTOR_NOTED.add(block_class)
-        warnings.warn(
-            "graphshard: the sharded model is compiled by Inductor itself (torch.compile("
-            "model) without backend='graphshard'): each parameter is gathered and its gradient "
-            "reduced on its own inside the graph, with no bucketing, prefetch or overlap, and "
-            f"the {block_class} blocks run inline, each compiled on its own (Inductor lowers "
-            "graphshard's block regions wrongly outside its backend). Compile with "
-            "torch.compile(model, backend='graphshard').",
-            BlockInlinedWarning, stacklevel=2)
+    _warn_once(("plain inductor", block_class),
+               "graphshard: the sharded model is compiled by Inductor itself (torch.compile("
+               "model) without backend='graphshard'): each parameter is gathered and its "
+               "gradient reduced on its own inside the graph, with no bucketing, prefetch or "
+               f"overlap, and the {block_class} blocks run inline, each compiled on its own "
+               "(Inductor lowers graphshard's block regions wrongly outside its backend). "
+               "Compile with torch.compile(model, backend='graphshard').")
     return True
 
 
@@ -327,18 +321,21 @@ def _inline_reason(args: tuple, kwargs: dict) -> str | None:
 _INLINED_NOTED: set[tuple[str, str]] = set()
 
 
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    """A :class:`BlockInlinedWarning`, once per ``key`` in a process."""
+    if key not in _INLINED_NOTED:
+        _INLINED_NOTED.add(key)
+        warnings.warn(message, BlockInlinedWarning, stacklevel=3)
+
+
 @torch.compiler.assume_constant_result
 def _note_inlined(block_class: str, reason: str) -> bool:
     """Warn, once per (block class, reason) in a process, that a block runs inline
     (:func:`_inline_reason`). Called by Dynamo while it traces, with constants."""
-    key = (block_class, reason)
-    if key not in _INLINED_NOTED:
-        _INLINED_NOTED.add(key)
-        warnings.warn(
-            f"graphshard: {block_class} blocks are compiled inline, each on its own, not "
-            f"once per kind (compile_blocks_once): {reason}. The step is the same; only its "
-            f"compile time grows with depth.",
-            BlockInlinedWarning, stacklevel=2)
+    _warn_once((block_class, reason),
+               f"graphshard: {block_class} blocks are compiled inline, each on its own, not "
+               f"once per kind (compile_blocks_once): {reason}. The step is the same; only "
+               f"its compile time grows with depth.")
     return True
 
 

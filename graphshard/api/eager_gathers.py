@@ -41,10 +41,8 @@ def read_once(state: ShardState, name: str, gather: Callable[[], torch.Tensor]
     if held is not None:
         return held[0], False
     full = gather()
-    version = None if full.is_inference() else full._version
-    depth = state.forward_depth
-    state.eager_gathered[key] = (full, version, depth)
-    state.eager_gathered_at.setdefault(depth, []).append(key)
+    state.eager_gathered[key] = (full, None if full.is_inference() else full._version)
+    state.eager_gathered_at.setdefault(state.forward_depth, []).append(key)
     return full, True
 
 
@@ -57,5 +55,5 @@ def release(state: ShardState, unwinding: bool) -> None:
                 for level in [level for level in state.eager_gathered_at if level > depth]
                 for key in state.eager_gathered_at.pop(level)]
     if not unwinding:  # every copy is let go first: a refusal leaves none for the next forward
-        for key, (full, version, _) in released:
+        for key, (full, version) in released:
             check_unchanged(full, version, key[0])

@@ -181,7 +181,7 @@ def _assign_buckets(
     bucket_of: dict[int, int] = {}
     bucket_names: list[str] = []
     for index, group in enumerate(groups):
-        labels = []
+        labels, holds = [], False
         for m in group:
             if id(m) not in names_of:
                 raise GraphshardValueError(
@@ -190,12 +190,13 @@ def _assign_buckets(
                 )
             labels.append(names_of[id(m)])
             for p in m.parameters():
+                holds = True
                 if bucket_of.setdefault(id(p), index) != index and not first_wins:
                     raise GraphshardValueError(
                         f"A parameter of {names_of[id(m)]} is in buckets[{bucket_of[id(p)]}] and "
                         f"buckets[{index}]: each parameter may belong to one bucket only."
                     )
-        if not first_wins and index not in bucket_of.values():
+        if not first_wins and not holds:
             held = " + ".join(labels) if labels else "nothing"
             raise GraphshardValueError(
                 f"buckets[{index}] holds no parameters (it names {held}): each group must name "

@@ -106,8 +106,8 @@ def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
 
 def _check(ref, version: int | None, name: str) -> None:
     gathered = ref()
-    if version is not None and gathered is not None and gathered._version != version:
-        raise mutation_error(name, "update")
+    if gathered is not None:
+        check_unchanged(gathered, version, name)
 
 
 def check_unchanged(gathered: torch.Tensor, version: int | None, name: str) -> None:
