@@ -10,6 +10,7 @@ check_torch_version()  # first: on a too-old torch, one clear ImportError naming
 
 from graphshard import _source_tree  # noqa: F401  (mounts graphshard.passes in a checkout)
 from graphshard.api.block_regions import BlockInlinedWarning
+from graphshard.api.eager_roots import EagerForwardWarning
 from graphshard.api.forward_methods import register_forward_method
 from graphshard.api.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
 from graphshard.api.mixed_precision import MixedPrecision
@@ -49,6 +50,7 @@ __all__ = [
     "ShardedModelError",
     "GraphBreakWarning",
     "BlockInlinedWarning",
+    "EagerForwardWarning",
     "MixedPrecision",
     "load_safetensors",
     "init_non_persistent_buffers",

@@ -81,6 +81,8 @@ class ShardState:
     mixed_precision: MixedPrecision | None = None
     folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
     forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
+    # whether the running root forward was called through torch.compile (api.forward_depth)
+    compiled_call: bool = False
     # eager reads in the running forward, checked for in-place updates of the gathered copy
     # (graphshard.safety.mutation): (reference to the copy, its version, parameter name),
     # the last one a strong reference, the others weak

@@ -444,7 +444,73 @@ def job_pipeline(rank: int, world_size: int, mesh, mode: str) -> dict:
     return {"stage": stage, "dp": dp, "losses": losses, "params": params}
 
 
+# ------------------------------------------------------------------------ functional_call
+
+FUNCTIONAL_SCALE = 0.5  # the tensors given to functional_call: the model's, scaled
+
+
+def functional_tensors(model: nn.Module, as_dtensors: bool) -> dict[str, torch.Tensor]:
+    """What a user hands ``torch.func.functional_call``: every parameter scaled, as plain
+    full tensors that require grad (an EMA's or MAML's fast weights) or as DTensors (clones
+    of the sharded parameters)."""
+    if as_dtensors:
+        return {n: p.detach() * FUNCTIONAL_SCALE for n, p in model.named_parameters()}
+    return {n: (full(p) * FUNCTIONAL_SCALE).requires_grad_() for n, p in model.named_parameters()}
+
+
+def functional_outputs(model: nn.Module, call, rank: int) -> dict[str, torch.Tensor]:
+    """``call(model, tensors, x)`` with each kind of tensors on rank ``rank``'s step-0 input:
+    the outputs, and the gradient of the plain tensors' output's mean square."""
+    x = batch(0, rank)[0]
+    plain = functional_tensors(model, as_dtensors=False)
+    out = call(plain, x)
+    grads = torch.autograd.grad(out.square().mean(), list(plain.values()))
+    with torch.no_grad():
+        out_dtensors = call(functional_tensors(model, as_dtensors=True), x)
+    return {"plain": out.detach(), "dtensors": out_dtensors,
+            "grads": {n: full(g) for n, g in zip(plain, grads, strict=True)}}
+
+
+def job_functional_call(rank: int, world_size: int, mesh, mode: str) -> dict:
+    """``torch.func.functional_call`` on the model as the user calls it (compiled in
+    "compiled" mode), and inside a compiled function; then a plain forward."""
+    import warnings
+
+    from torch.func import functional_call
+
+    from graphshard.api import functional_calls
+
+    functional_calls._WARNED.clear()  # once per process: each job starts afresh
+    net, model = sharded(mode, mesh)
+    results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results["direct"] = functional_outputs(
+            net, lambda tensors, x: functional_call(model, tensors, (x,)), rank)
+        inside = torch.compile(lambda tensors, x: functional_call(net, tensors, (x,)),
+                               backend="graphshard")
+        results["inside_compile"] = functional_outputs(net, inside, rank)
+    with torch.no_grad():
+        results["after"] = model(batch(0, rank)[0])
+    results["warned"] = [str(w.message) for w in caught
+                         if issubclass(w.category, graphshard.EagerForwardWarning)]
+    return results
+
+
+def reference_functional_call(rank: int) -> dict[str, torch.Tensor]:
+    """:func:`functional_outputs` of the plain model, and its own output."""
+    from torch.func import functional_call
+
+    model = build()
+    out = functional_outputs(model, lambda tensors, x: functional_call(model, tensors, (x,)),
+                             rank)
+    with torch.no_grad():
+        out["after"] = model(batch(0, rank)[0])
+    return out
+
+
 JOBS: dict[str, Callable[..., dict]] = {
+    "functional_call": job_functional_call,
     "pipeline": job_pipeline,
     "grad_scaler": job_grad_scaler,
     "basics": job_basics,

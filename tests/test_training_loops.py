@@ -13,12 +13,15 @@ from training_loops_jobs import (
     LLAMA_STEPS,
     MODES,
     MUON_STEPS,
+    RNN_MODES,
+    RNN_STEPS,
     STEPS,
     build,
     muon_model,
     reference_block_compile,
     reference_experts,
     reference_muon,
+    reference_recurrent,
     reference_two_models,
     run_jobs,
 )
@@ -29,7 +32,8 @@ WORLD = 2
 BLOCK_COMPILES = ("module_compile", "wrapped")
 JOBS = ([("two_models", mode) for mode in MODES]
         + [("block_compile", how) for how in BLOCK_COMPILES]
-        + [("experts", mode) for mode in MODES] + [("muon", "eager")])
+        + [("experts", mode) for mode in MODES] + [("muon", "eager")]
+        + [("recurrent", mode) for mode in RNN_MODES])
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,28 @@ def test_mixtures_of_experts_whose_ranks_route_differently_train_like_one_proces
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(plain["losses"]),
                                    rtol=1e-5, atol=1e-6)
         _assert_state(res["state"], plain["state"])
+
+
+@pytest.mark.parametrize("mode", RNN_MODES)
+def test_torchs_recurrent_layers_train_like_one_process_compiled_or_not(ranks, mode):
+    """``nn.LSTM`` and ``nn.GRU`` read their weights in ``forward`` through ``getattr``.
+    Compiled, Dynamo runs them (and the forward calling them) eagerly, and each read started
+    a Dynamo frame of graphshard's ``__getattr__``: a graph gathering one plain local shard,
+    which the backend refused as an unsharded parameter. Now such reads run eagerly, train
+    like one process, and warn once per layer class that they ran outside every graph; with
+    ``allow_rnn`` Dynamo traces the layers, and nothing warns."""
+    plain = reference_recurrent(WORLD)
+    for res in _result(ranks, ("recurrent", mode)):
+        assert len(res["losses"]) == RNN_STEPS
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(plain["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        _assert_state(res["state"], plain["state"])
+        if mode == "compiled":
+            assert any(m.startswith("LSTM read its parameter 'lstm.weight_ih_l0' eagerly")
+                       and "allow_rnn = True" in m for m in res["warned"]), res["warned"]
+            assert any(m.startswith("GRU read") for m in res["warned"]), res["warned"]
+        else:
+            assert res["warned"] == [], res["warned"]
 
 
 def test_muon_steps_the_shards_as_on_fsdp2s_parameters(ranks):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -386,10 +387,92 @@ def reference_muon(world_size: int) -> dict:
     return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
 
 
+# ------------------------------------------------------------------------ recurrent
+
+RNN_STEPS = 3
+RNN_MODES = ("eager", "compiled", "allow_rnn")
+
+
+class Recurrent(nn.Module):
+    """A language model of torch's own recurrent layers: an ``nn.LSTM`` (two layers), then an
+    ``nn.GRU``. Both read their weights eagerly through ``getattr`` in ``forward``
+    (``_flat_weights``), and Dynamo declines to trace them unless
+    ``torch._dynamo.config.allow_rnn`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(48, 12)
+        self.lstm = nn.LSTM(12, 20, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(20, 16, batch_first=True)
+        self.out = nn.Linear(16, 48)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(ids))
+        hidden, _ = self.gru(hidden)
+        return F.cross_entropy(self.out(hidden).flatten(0, 1), ids.flatten())
+
+
+def recurrent() -> nn.Module:
+    torch.manual_seed(0)
+    return Recurrent()
+
+
+def recurrent_ids(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 48, (3, 7), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def train_recurrent(model: nn.Module, net: nn.Module, batches) -> list[torch.Tensor]:
+    """``RNN_STEPS`` steps of SGD; ``batches(step)``: the list of batches whose mean loss a
+    step takes."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(RNN_STEPS):
+        pieces = batches(step)
+        loss = sum(net(ids) for ids in pieces) / len(pieces)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def job_recurrent(rank: int, world_size: int, mode: str) -> dict:
+    """Train :class:`Recurrent` sharded: eagerly, compiled (Dynamo leaves the recurrent layers,
+    and the forward that calls them, to run eagerly), or compiled with ``allow_rnn`` (traced
+    whole). Also returns the messages of the ``EagerForwardWarning`` raised."""
+    from graphshard.api import eager_roots
+
+    model = recurrent()
+    graphshard.shard(model)
+    net = model if mode == "eager" else torch.compile(model, backend="graphshard")
+    eager_roots._WARNED.clear()  # warned once per process: each job starts afresh
+    allow = torch._dynamo.config.allow_rnn
+    torch._dynamo.config.allow_rnn = mode == "allow_rnn"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = train_recurrent(model, net, lambda step: [recurrent_ids(step, rank)])
+    finally:
+        torch._dynamo.config.allow_rnn = allow
+    means = torch.stack(losses)
+    dist.all_reduce(means)
+    return {"losses": (means / world_size).tolist(), "state": state({"": model}),
+            "warned": [str(w.message) for w in caught
+                       if issubclass(w.category, graphshard.EagerForwardWarning)]}
+
+
+def reference_recurrent(world_size: int) -> dict:
+    """One process, every rank's batch each step."""
+    model = recurrent()
+    losses = train_recurrent(model, model, lambda step: [
+        recurrent_ids(step, r) for r in range(world_size)])
+    return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
+
+
 # --------------------------------------------------------------------------- launch
 
 JOBS = {"two_models": job_two_models, "block_compile": job_block_compile,
-        "experts": job_experts, "muon": job_muon}
+        "experts": job_experts, "muon": job_muon, "recurrent": job_recurrent}
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:

@@ -40,6 +40,7 @@ import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api.eager_gathers import release
+from graphshard.api.eager_roots import run_eagerly_as_root
 from graphshard.records import ShardState
 from graphshard.safety.data_assignment import refuse_data_assignments
 from graphshard.safety.mutation import end_eager_reads
@@ -187,6 +188,22 @@ def _count_forward(state: ShardState, step: int) -> None:
         unchecked_side_effect(_add_forward_depth, state, step)
 
 
+def _store_compiled_call(state: ShardState, compiled: bool) -> None:
+    state.compiled_call = compiled
+
+
+def _mark_compiled_call(state: ShardState, compiled: bool) -> None:
+    """Record whether the root's forward now running was called through ``torch.compile``
+    (its pre-hook traced: Dynamo replays the store at every compiled call), for the warning
+    of an eager read inside one (:mod:`graphshard.api.eager_roots`); the root's forward hook
+    clears it. A store, never a read, so that no guard reads it; through the hatch where
+    :func:`_count_forward` uses it, for the same reason."""
+    if DEFERS_SIDE_EFFECT_CHECKS:
+        state.compiled_call = compiled
+    else:
+        unchecked_side_effect(_store_compiled_call, state, compiled)
+
+
 def _enter_forward(state: ShardState) -> Callable[..., None]:
     @mark_forward_hook
     def hook(module: nn.Module, args: Any) -> None:
@@ -205,6 +222,7 @@ def _enter_root_forward(state: ShardState) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
         refuse_plain_parameters(module, state)
         refuse_data_assignments(state.params)
+        _mark_compiled_call(state, torch.compiler.is_compiling())
         _count_forward(state, 1)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)
@@ -213,8 +231,11 @@ def _enter_root_forward(state: ShardState) -> Callable[..., None]:
 
 def _exit_forward(state: ShardState) -> Callable[..., None]:
     @mark_forward_hook
+    @run_eagerly_as_root  # checks the eager reads of a forward Dynamo left to run eagerly
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         _count_forward(state, -1)
+        if state.forward_depth == 0:
+            _mark_compiled_call(state, False)
         _leave(state, unwinding=sys.exc_info()[1] is not None)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)

@@ -31,10 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
 from graphshard.api.eager_gathers import read_once
+from graphshard.api.eager_roots import note_eager_read_under_compile, run_eagerly_as_root
 from graphshard.api.local_inputs import (
     LOCAL_INDEX_ATTR,
     LOCALS_ATTR,
@@ -205,6 +207,13 @@ _HOLDS_TP_ATTR = "_graphshard_holds_tp"
 _PREFIX = "_graphshard_"  # graphshard's own attributes: never a parameter's name
 
 
+def _sharded_alike(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor sharded as ``param`` is (a clone of it, say): gathered
+    as the parameter would be."""
+    return (isinstance(tensor, DTensor) and tensor.shape == param.shape
+            and tensor.placements == param.placements and tensor.device_mesh == param.device_mesh)
+
+
 def _sharded_read(self: nn.Module, name: str) -> Any:
     """The sharded parameter ``name`` of ``self`` outside a forward, the gathered one inside
     it (module docstring)."""
@@ -216,13 +225,25 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     state = self._graphshard_root_state
     if not reads_gather(state):
         return self._parameters[name]
+    entry = self._graphshard_specs[name][0]
+    given = self._parameters[name]
+    if given is not entry.param and not _sharded_alike(given, entry.param):
+        # torch.func.functional_call put a tensor of its own in the parameter's place
+        return given.full_tensor() if isinstance(given, DTensor) else given
     if state.forward_depth == 0:  # in a backward, outside any forward
         return gathered_param(self, name, state)
-    param_name = self._graphshard_specs[name][0].names[0]
+    param_name = entry.names[0]
     full, gathered = read_once(state, param_name, lambda: gathered_param(self, name, state))
     if gathered:
         note_eager_read(state, full, param_name)
+        if state.compiled_call:
+            note_eager_read_under_compile(_class_name(self), param_name)
     return full
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name of ``module``'s class as the user wrote it (not graphshard's subclass)."""
+    return getattr(type(module), "_graphshard_original_class", type(module)).__name__
 
 
 # Names the lookup below leaves to nn.Module at once: its tables (missing only while a module
@@ -230,6 +251,7 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
 _MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 
 
+@run_eagerly_as_root  # code running eagerly under torch.compile reads eagerly (api.eager_roots)
 def _sharded_getattr(self: nn.Module, name: str) -> Any:
     """``__getattr__`` of a sharded module whose class has nn.Module's: the sharded
     parameters (:func:`_sharded_read`), then nn.Module's own lookup (parameters, buffers,
@@ -266,6 +288,7 @@ def _sharded_class(cls: type) -> type:
         getattr_ = _sharded_getattr
     else:  # a class with a __getattr__ of its own (its modules' guards are then not skipped)
 
+        @run_eagerly_as_root
         def getattr_(self: nn.Module, name: str) -> Any:
             if name.startswith(_PREFIX) or name not in self._graphshard_sharded_names:
                 return own(self, name)

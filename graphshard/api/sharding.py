@@ -36,6 +36,7 @@ from graphshard.api import eager_kernels, random_init, step_prefetch  # noqa: F4
 from graphshard.api.block_regions import install_block_regions
 from graphshard.api.bucket_storage import store_buckets
 from graphshard.api.forward_depth import track_forwards
+from graphshard.api.functional_calls import watch_functional_calls
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
 from graphshard.api.local_inputs import register_locals
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
@@ -533,4 +534,5 @@ def shard(
     setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()
     guards.after_shard(module, state, originals)  # write guards, cross-rank plan check
+    watch_functional_calls()  # torch.func.functional_call runs such a model eagerly
     return module

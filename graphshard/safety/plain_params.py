@@ -74,8 +74,9 @@ def refuse_plain_parameters(model: nn.Module, state: ShardState) -> None:
     ranks = state.world_size * state.replica_size
     if ranks <= 1:
         return
+    # a tensor torch.func.functional_call put in a parameter's place is not a Parameter
     plain = [name for name, p in model.named_parameters()
-             if p.requires_grad and not isinstance(p, DTensor)]
+             if p.requires_grad and isinstance(p, nn.Parameter) and not isinstance(p, DTensor)]
     if plain:
         model.__dict__[_CHECKED_ATTR] = None  # refused again at the next forward
         listed = ", ".join(repr(n) for n in plain[:6]) + (", ..." if len(plain) > 6 else "")
