@@ -27,6 +27,7 @@ from training_loops_jobs import (
 )
 
 import graphshard
+from graphshard._torch_version import installed_torch_version
 
 WORLD = 2
 BLOCK_COMPILES = ("module_compile", "wrapped")
@@ -118,7 +119,8 @@ def test_torchs_recurrent_layers_train_like_one_process_compiled_or_not(ranks, m
     a Dynamo frame of graphshard's ``__getattr__``: a graph gathering one plain local shard,
     which the backend refused as an unsharded parameter. Now such reads run eagerly, train
     like one process, and warn once per layer class that they ran outside every graph; with
-    ``allow_rnn`` Dynamo traces the layers, and nothing warns."""
+    ``allow_rnn`` Dynamo traces the layers, and nothing warns (torch 2.11's re-reads their
+    weights eagerly after the graph, to rebuild ``_flat_weights``, and the warning says so)."""
     plain = reference_recurrent(WORLD)
     for res in _result(ranks, ("recurrent", mode)):
         assert len(res["losses"]) == RNN_STEPS
@@ -129,8 +131,10 @@ def test_torchs_recurrent_layers_train_like_one_process_compiled_or_not(ranks, m
             assert any(m.startswith("LSTM read its parameter 'lstm.weight_ih_l0' eagerly")
                        and "allow_rnn = True" in m for m in res["warned"]), res["warned"]
             assert any(m.startswith("GRU read") for m in res["warned"]), res["warned"]
-        else:
+        elif mode == "eager" or installed_torch_version() >= (2, 13):
             assert res["warned"] == [], res["warned"]
+        else:  # torch 2.11's Dynamo re-reads the weights eagerly after the graph, and says so
+            assert all("2.13 and later trace it whole" in m for m in res["warned"]), res["warned"]
 
 
 def test_muon_steps_the_shards_as_on_fsdp2s_parameters(ranks):

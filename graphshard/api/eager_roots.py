@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch._dynamo.config
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
@@ -65,9 +66,12 @@ def note_eager_read_under_compile(module_class: str, param_name: str) -> None:
     if module_class in _WARNED:
         return
     _WARNED.add(module_class)
-    rnn = module_class in ("LSTM", "GRU", "RNN")
-    hint = ("set torch._dynamo.config.allow_rnn = True before compiling to trace it"
-            if rnn else "TORCH_LOGS=graph_breaks shows why Dynamo gave up on it")
+    if module_class not in ("LSTM", "GRU", "RNN"):
+        hint = "TORCH_LOGS=graph_breaks shows why Dynamo gave up on it"
+    elif not torch._dynamo.config.allow_rnn:
+        hint = "set torch._dynamo.config.allow_rnn = True before compiling to trace it"
+    else:  # torch 2.11's Dynamo re-reads the layer's weights after the graph, for _flat_weights
+        hint = "with allow_rnn set, torch 2.13 and later trace it whole"
     warnings.warn(
         f"{module_class} read its parameter {param_name!r} eagerly inside a compiled call of "
         "the model: Dynamo ran that part of the forward without tracing it. It trains "
