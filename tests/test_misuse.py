@@ -304,3 +304,22 @@ def test_pickling_a_sharded_model_says_what_to_save_instead(tmp_path):
                 pickle.dumps(target)
         torch.save(TwoBlock(), tmp_path / "plain.pt")  # an unsharded model pickles as before
         torch.save(model.state_dict(), tmp_path / "state.pt")  # and the sharded state
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_exporting_a_sharded_model_says_what_to_export_instead(strict):
+    """``torch.export`` swaps its inputs into the parameters' places as functional_call does;
+    on a sharded model it failed inside DTensor with the parameter's repr (non-strict), or
+    captured graphshard's gathers with this rank's shards as detached constants (strict).
+    Both are refused, naming what to export; the plain model exports as before."""
+    x = torch.randn(4, 8)
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        with pytest.raises(Exception) as error:
+            torch.export.export(model, (x,), strict=strict)
+        # strict: Dynamo's error quotes graphshard's
+        assert "torch.export cannot capture a sharded model" in str(error.value)
+        assert "Export the model before graphshard.shard()" in str(error.value)
+    plain = TwoBlock()
+    torch.testing.assert_close(torch.export.export(plain, (x,), strict=strict).module()(x),
+                               plain(x))

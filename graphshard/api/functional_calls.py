@@ -17,6 +17,9 @@ the swap names a sharded parameter:
 
 - inside a function Dynamo traces, it raises, and Dynamo runs that function eagerly instead
   (under ``fullgraph=True`` the error reaches the caller and says why);
+- under ``torch.export``, which swaps in its own inputs the same way, it raises: a sharded
+  model cannot be exported (a strict export is refused where Dynamo reads a parameter), and
+  the error says what to export instead;
 - eagerly, the forward runs with Dynamo off for the swap's duration, so a compiled model
   (``functional_call(torch.compile(model), ...)``), compiled blocks, or a compiled function
   around the call run the model eagerly with the given tensors. That warns once per process
@@ -39,7 +42,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from graphshard.api.eager_roots import EagerForwardWarning, run_eagerly_as_root
 from graphshard.errors import ShardedModelError
 
-__all__ = ["watch_functional_calls"]
+__all__ = ["refuse_export", "watch_functional_calls"]
 
 _ORIGINAL: list[Any] = []  # torch's _reparametrize_module, once wrapped
 _WARNED: list[bool] = []  # whether running a compiled call eagerly has been warned about
@@ -102,12 +105,26 @@ def _reparametrize_checked(module: nn.Module, parameters_and_buffers: dict[str, 
     if compiled_module:  # swap on the model itself (the root's own parameters included)
         module, parameters_and_buffers = _unwrapped(module, parameters_and_buffers)
     swap = _ORIGINAL[0](module, parameters_and_buffers, *args, **kwargs)
+    if torch.compiler.is_exporting():  # export swaps in its own inputs, this way too
+        refuse_export()
     if torch.compiler.is_compiling():
         raise ShardedModelError(
             f"torch.func.functional_call swaps sharded parameter(s) {sharded[:3]}: graphshard's "
             "compiled graphs read the model's own shards and would ignore the tensors given, "
             "so the call runs eagerly. Call it outside torch.compile(fullgraph=True).")
     return _eagerly(swap, compiled_module)
+
+
+def refuse_export() -> None:
+    """Raise: ``torch.export`` of a sharded model, non-strict (through the swap above) or
+    strict (:mod:`graphshard.api.param_reads` calls this where Dynamo reads a parameter),
+    would capture graphshard's gathers with this rank's shards as constants."""
+    raise ShardedModelError(
+        "torch.export cannot capture a sharded model: its parameters are shards that "
+        "graphshard gathers at run time. Export the model before graphshard.shard(), or "
+        "load the full state (torch.distributed.checkpoint.state_dict."
+        "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) "
+        "into a plain copy of the model and export that.")
 
 
 def watch_functional_calls() -> None:
