@@ -42,7 +42,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from graphshard.api.eager_roots import EagerForwardWarning, run_eagerly_as_root
 from graphshard.errors import ShardedModelError
 
-__all__ = ["refuse_export", "watch_functional_calls"]
+__all__ = ["exporting", "refuse_export", "watch_functional_calls"]
 
 _ORIGINAL: list[Any] = []  # torch's _reparametrize_module, once wrapped
 _WARNED: list[bool] = []  # whether running a compiled call eagerly has been warned about
@@ -105,7 +105,7 @@ def _reparametrize_checked(module: nn.Module, parameters_and_buffers: dict[str, 
     if compiled_module:  # swap on the model itself (the root's own parameters included)
         module, parameters_and_buffers = _unwrapped(module, parameters_and_buffers)
     swap = _ORIGINAL[0](module, parameters_and_buffers, *args, **kwargs)
-    if torch.compiler.is_exporting():  # export swaps in its own inputs, this way too
+    if exporting():  # export swaps in its own inputs, this way too
         refuse_export()
     if torch.compiler.is_compiling():
         raise ShardedModelError(
@@ -113,6 +113,14 @@ def _reparametrize_checked(module: nn.Module, parameters_and_buffers: dict[str, 
             "compiled graphs read the model's own shards and would ignore the tensors given, "
             "so the call runs eagerly. Call it outside torch.compile(fullgraph=True).")
     return _eagerly(swap, compiled_module)
+
+
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing, read where Dynamo traces a parameter's read.
+    ``torch.compiler.is_exporting()`` is a constant there, without a guard; torch 2.11's
+    Dynamo answers True for every trace, so the flag behind it then decides (one guard on
+    it, on 2.11 only)."""
+    return torch.compiler.is_exporting() and torch.compiler._is_exporting_flag
 
 
 def refuse_export() -> None:

@@ -37,7 +37,7 @@ from graphshard.api.block_regions import REGION_PARAMS_ATTR
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
 from graphshard.api.eager_gathers import read_once
 from graphshard.api.eager_roots import note_eager_read_under_compile, run_eagerly_as_root
-from graphshard.api.functional_calls import refuse_export
+from graphshard.api.functional_calls import exporting, refuse_export
 from graphshard.api.local_inputs import (
     LOCAL_INDEX_ATTR,
     LOCALS_ATTR,
@@ -222,7 +222,7 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     if region is not None:  # inside a block's compile region: gathered outside it
         return region[name]
     if torch.compiler.is_compiling():
-        if torch.compiler.is_exporting():  # a constant while Dynamo traces: no guard
+        if exporting():
             refuse_export()
         return gathered_param(self, name)
     state = self._graphshard_root_state
