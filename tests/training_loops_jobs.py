@@ -159,19 +159,29 @@ def token_ids(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def train_llama(model: nn.Module, batches) -> list[float]:
-    """``LLAMA_STEPS`` steps of SGD with momentum on the causal LM loss of ``batches(step)``
-    (a list of token-id batches whose losses are averaged)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+def sgd_steps(params, step_loss, steps: int, lr: float) -> list[torch.Tensor]:
+    """``steps`` steps of SGD with momentum 0.9 on ``params``, each on ``step_loss(step)``;
+    the losses, detached."""
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     losses = []
-    for step in range(LLAMA_STEPS):
-        rows = batches(step)
-        loss = sum(model(input_ids=ids, labels=ids).loss for ids in rows) / len(rows)
+    for step in range(steps):
+        loss = step_loss(step)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     return losses
+
+
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    return sum(losses) / len(losses)
+
+
+def train_llama(model: nn.Module, batches) -> list[torch.Tensor]:
+    """``LLAMA_STEPS`` steps of SGD with momentum on the causal LM loss of ``batches(step)``
+    (a list of token-id batches whose losses are averaged)."""
+    return sgd_steps(model.parameters(), lambda step: _mean(
+        [model(input_ids=ids, labels=ids).loss for ids in batches(step)]), LLAMA_STEPS, lr=0.5)
 
 
 def job_block_compile(rank: int, world_size: int, mode: str) -> dict:
@@ -424,16 +434,8 @@ def recurrent_ids(step: int, rank: int) -> torch.Tensor:
 def train_recurrent(model: nn.Module, net: nn.Module, batches) -> list[torch.Tensor]:
     """``RNN_STEPS`` steps of SGD; ``batches(step)``: the list of batches whose mean loss a
     step takes."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(RNN_STEPS):
-        pieces = batches(step)
-        loss = sum(net(ids) for ids in pieces) / len(pieces)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return sgd_steps(model.parameters(), lambda step: _mean([net(ids) for ids in batches(step)]),
+                     RNN_STEPS, lr=0.1)
 
 
 def job_recurrent(rank: int, world_size: int, mode: str) -> dict:
