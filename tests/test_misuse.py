@@ -306,6 +306,22 @@ def test_pickling_a_sharded_model_says_what_to_save_instead(tmp_path):
         torch.save(model.state_dict(), tmp_path / "state.pt")  # and the sharded state
 
 
+def test_pruning_after_shard_says_to_prune_before():
+    """``torch.nn.utils.prune`` re-registers the weight as ``weight_orig``: after ``shard()``
+    that is refused, naming prune and the order that works; pruned before, the model shards
+    and compiles."""
+    import torch.nn.utils.prune as prune
+
+    with fake_process_group(2):
+        model = graphshard.shard(TwoBlock())
+        with pytest.raises(ShardedModelError, match="torch.nn.utils.prune .*before shard"):
+            prune.l1_unstructured(model.blocks[0].up, "weight", 0.3)
+        assert isinstance(model.blocks[0].up.weight, DTensor)  # left as it was
+        plain = TwoBlock()
+        prune.l1_unstructured(plain.blocks[0].up, "weight", 0.3)
+        _compile_step(graphshard.shard(plain))
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_exporting_a_sharded_model_says_what_to_export_instead(strict):
     """``torch.export`` swaps its inputs into the parameters' places as functional_call does;

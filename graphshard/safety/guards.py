@@ -83,7 +83,8 @@ def _refuse_replace(module: nn.Module, name: str, action: str) -> None:
         "each rank holds only its shard of it, and a new tensor there would be taken for a "
         "shard (gathered and trained silently wrong). Replace parameters before calling "
         "graphshard.shard() (torch.nn.utils.parametrize.register_parametrization, "
-        "weight_norm and spectral_norm replace the parameter: apply them before shard()); "
+        "weight_norm, spectral_norm and torch.nn.utils.prune replace the parameter: apply "
+        "them before shard()); "
         "to change the values of a sharded parameter, use "
         "torch.distributed.checkpoint.state_dict.set_model_state_dict(model, "
         f"{{{fqn!r}: new_full_tensor}}, options=StateDictOptions(full_state_dict=True, "
@@ -115,8 +116,14 @@ def _guard_class(cls: type) -> None:
         super(cls, self).__delattr__(name)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        if name in (self.__dict__.get("_graphshard_specs") or ()):
+        specs = self.__dict__.get("_graphshard_specs") or {}
+        if name in specs:
             _refuse_replace(self, name, "re-register")
+        # one of its shards under a new name (torch.nn.utils.prune's weight_orig), refused
+        # before the caller goes on to delete the old name
+        for pname, (entry, _) in specs.items():
+            if param is not None and entry.param is param:
+                _refuse_replace(self, pname, f"re-register (as {name!r})")
         super(cls, self).register_parameter(name, param)
 
     def _apply(self, fn, recurse: bool = True):
