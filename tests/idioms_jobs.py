@@ -478,9 +478,9 @@ def job_functional_call(rank: int, world_size: int, mesh, mode: str) -> dict:
 
     from torch.func import functional_call
 
-    from graphshard.api import functional_calls
+    from graphshard.api import eager_roots
 
-    functional_calls._WARNED.clear()  # once per process: each job starts afresh
+    eager_roots._WARNED.clear()  # once per process: each job starts afresh
     net, model = sharded(mode, mesh)
     results = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -494,6 +494,16 @@ def job_functional_call(rank: int, world_size: int, mesh, mode: str) -> dict:
         results["after"] = model(batch(0, rank)[0])
     results["warned"] = [str(w.message) for w in caught
                          if issubclass(w.category, graphshard.EagerForwardWarning)]
+    # Under no_sync, a backward through DTensors given in the parameters' places leaves the
+    # model's held-back gradients alone: the next synced backward gives the plain gradients.
+    with graphshard.no_sync(model):
+        given = functional_tensors(net, as_dtensors=True)
+        for tensor in given.values():
+            tensor.requires_grad_()
+        functional_call(net, given, (batch(0, rank)[0],)).square().mean().backward()
+    results["given_grads"] = all(t.grad is not None for t in given.values())
+    loss_fn(model, batch(0, rank)).backward()
+    results["grads_after"] = {n: full(p.grad) for n, p in net.named_parameters()}
     return results
 
 

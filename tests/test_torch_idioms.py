@@ -512,7 +512,8 @@ def test_functional_call_computes_with_the_tensors_given(request, mode):
     its compiled wrapper, and inside a compiled function. Before, eager plain tensors failed
     (``'Tensor' object has no attribute 'to_local'``) and compiled graphs silently computed
     with the model's own weights; the compiled calls now run the forward eagerly and warn
-    once. A forward afterwards uses the model's own parameters again."""
+    once. A forward afterwards uses the model's own parameters again, and a backward through
+    given DTensors under ``no_sync`` leaves the model's held-back gradients alone."""
     for rank, res in enumerate(_results(request, "world2", "functional_call", mode)):
         want = reference_functional_call(rank)
         for how in ("direct", "inside_compile"):
@@ -528,6 +529,11 @@ def test_functional_call_computes_with_the_tensors_given(request, mode):
         assert not torch.allclose(res["after"], want["plain"])  # the scaled weights differ
         assert len(res["warned"]) == 1, res["warned"]  # the first compiled call, once
         assert res["warned"][0].startswith("torch.func.functional_call swaps sharded")
+        assert res["given_grads"]
+        plain, _ = reference_grads(2)
+        for name, param in plain.named_parameters():
+            torch.testing.assert_close(res["grads_after"][name], param.grad, rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -37,7 +37,8 @@ import torch._dynamo.config
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-__all__ = ["EagerForwardWarning", "note_eager_read_under_compile", "run_eagerly_as_root"]
+__all__ = ["EagerForwardWarning", "note_eager_read_under_compile", "run_eagerly_as_root",
+           "warn_once"]
 
 Fn = TypeVar("Fn", bound=Callable)
 
@@ -57,7 +58,14 @@ class EagerForwardWarning(UserWarning):
     """Part of a compiled model's forward ran eagerly: Dynamo left it out of every graph."""
 
 
-_WARNED: set[str] = set()  # module classes warned about, once each per process
+_WARNED: set[str] = set()  # keys warned about (module classes, functional_call), once each
+
+
+def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
+    """An :class:`EagerForwardWarning` with ``message``, once per ``key`` in a process."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, EagerForwardWarning, stacklevel=stacklevel + 1)
 
 
 def note_eager_read_under_compile(module_class: str, param_name: str) -> None:
@@ -65,16 +73,14 @@ def note_eager_read_under_compile(module_class: str, param_name: str) -> None:
     of the model through ``torch.compile``."""
     if module_class in _WARNED:
         return
-    _WARNED.add(module_class)
     if module_class not in ("LSTM", "GRU", "RNN"):
         hint = "TORCH_LOGS=graph_breaks shows why Dynamo gave up on it"
     elif not torch._dynamo.config.allow_rnn:
         hint = "set torch._dynamo.config.allow_rnn = True before compiling to trace it"
     else:  # torch 2.11's Dynamo re-reads the layer's weights after the graph, for _flat_weights
         hint = "with allow_rnn set, torch 2.13 and later trace it whole"
-    warnings.warn(
-        f"{module_class} read its parameter {param_name!r} eagerly inside a compiled call of "
-        "the model: Dynamo ran that part of the forward without tracing it. It trains "
-        "exactly, but each such parameter is gathered on its own, with no overlap, and its "
-        f"gradient reduced the same way; {hint}.",
-        EagerForwardWarning, stacklevel=3)
+    warn_once(module_class,
+              f"{module_class} read its parameter {param_name!r} eagerly inside a compiled call "
+              "of the model: Dynamo ran that part of the forward without tracing it. It trains "
+              "exactly, but each such parameter is gathered on its own, with no overlap, and "
+              f"its gradient reduced the same way; {hint}.", stacklevel=3)

@@ -3,8 +3,9 @@
 ``functional_call(model, tensors, args)`` puts the given tensors in the named parameters'
 places in ``module._parameters`` for one call. An eager forward reads them there
 (:mod:`graphshard.api.param_reads`): a plain tensor is taken as the full parameter, a DTensor
-sharded as the parameter is gathered as the parameter would be, any other DTensor is made
-full. A compiled forward does not: its graphs read each parameter's local shard through
+is made full (``full_tensor()``, whose backward gives it this rank's gradient, as for a
+plain tensor; the model's own gradient buffers and ``no_sync`` accumulators stay out of it).
+A compiled forward does not: its graphs read each parameter's local shard through
 graphshard's own table, which keeps Dynamo from guarding the DTensor parameters at every
 step, so they would silently compute with the model's own weights. A swap of
 ``_parameters`` leaves no trace that Dynamo checks, and a guard that would see it would cost
@@ -29,7 +30,6 @@ the swap names a sharded parameter:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,13 +39,12 @@ from torch import nn
 from torch._C._dynamo.eval_frame import set_eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 
-from graphshard.api.eager_roots import EagerForwardWarning, run_eagerly_as_root
+from graphshard.api.eager_roots import run_eagerly_as_root, warn_once
 from graphshard.errors import ShardedModelError
 
 __all__ = ["exporting", "refuse_export", "watch_functional_calls"]
 
 _ORIGINAL: list[Any] = []  # torch's _reparametrize_module, once wrapped
-_WARNED: list[bool] = []  # whether running a compiled call eagerly has been warned about
 
 
 def _sharded_names(module: nn.Module, names: Mapping[str, Any]) -> list[str]:
@@ -79,13 +78,12 @@ def _eagerly(swap: contextlib.AbstractContextManager, compiled_module: bool) -> 
     it), and a compiled module or block called inside runs eagerly (``force_eager``, which
     torch allows only outside a compiled region, hence the first step)."""
     outer = set_eval_frame(None)
-    if not _WARNED and (compiled_module or outer not in (None, False)):
-        _WARNED.append(True)
-        warnings.warn(
-            "torch.func.functional_call swaps sharded parameters inside torch.compile: the "
-            "model's forward runs eagerly with the tensors given (graphshard's compiled "
-            "graphs read the model's own shards). It computes exactly, with one gather per "
-            "parameter and no overlap.", EagerForwardWarning, stacklevel=4)
+    if compiled_module or outer not in (None, False):
+        warn_once("torch.func.functional_call",
+                  "torch.func.functional_call swaps sharded parameters inside torch.compile: the "
+                  "model's forward runs eagerly with the tensors given (graphshard's compiled "
+                  "graphs read the model's own shards). It computes exactly, with one gather "
+                  "per parameter and no overlap.", stacklevel=4)
     try:
         with torch.compiler.set_stance("force_eager"), swap:
             yield
@@ -101,10 +99,6 @@ def _reparametrize_checked(module: nn.Module, parameters_and_buffers: dict[str, 
     sharded = _sharded_names(module, parameters_and_buffers)
     if not sharded:
         return _ORIGINAL[0](module, parameters_and_buffers, *args, **kwargs)
-    compiled_module = isinstance(module, OptimizedModule)
-    if compiled_module:  # swap on the model itself (the root's own parameters included)
-        module, parameters_and_buffers = _unwrapped(module, parameters_and_buffers)
-    swap = _ORIGINAL[0](module, parameters_and_buffers, *args, **kwargs)
     if exporting():  # export swaps in its own inputs, this way too
         refuse_export()
     if torch.compiler.is_compiling():
@@ -112,7 +106,11 @@ def _reparametrize_checked(module: nn.Module, parameters_and_buffers: dict[str, 
             f"torch.func.functional_call swaps sharded parameter(s) {sharded[:3]}: graphshard's "
             "compiled graphs read the model's own shards and would ignore the tensors given, "
             "so the call runs eagerly. Call it outside torch.compile(fullgraph=True).")
-    return _eagerly(swap, compiled_module)
+    compiled_module = isinstance(module, OptimizedModule)
+    if compiled_module:  # swap on the model itself (the root's own parameters included)
+        module, parameters_and_buffers = _unwrapped(module, parameters_and_buffers)
+    return _eagerly(_ORIGINAL[0](module, parameters_and_buffers, *args, **kwargs),
+                    compiled_module)
 
 
 def exporting() -> bool:

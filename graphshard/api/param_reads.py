@@ -208,13 +208,6 @@ _HOLDS_TP_ATTR = "_graphshard_holds_tp"
 _PREFIX = "_graphshard_"  # graphshard's own attributes: never a parameter's name
 
 
-def _sharded_alike(tensor: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor sharded as ``param`` is (a clone of it, say): gathered
-    as the parameter would be."""
-    return (isinstance(tensor, DTensor) and tensor.shape == param.shape
-            and tensor.placements == param.placements and tensor.device_mesh == param.device_mesh)
-
-
 def _sharded_read(self: nn.Module, name: str) -> Any:
     """The sharded parameter ``name`` of ``self`` outside a forward, the gathered one inside
     it (module docstring)."""
@@ -230,8 +223,7 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
         return self._parameters[name]
     entry = self._graphshard_specs[name][0]
     given = self._parameters[name]
-    if given is not entry.param and not _sharded_alike(given, entry.param):
-        # torch.func.functional_call put a tensor of its own in the parameter's place
+    if given is not entry.param:  # torch.func.functional_call's tensor (api.functional_calls)
         return given.full_tensor() if isinstance(given, DTensor) else given
     if state.forward_depth == 0:  # in a backward, outside any forward
         return gathered_param(self, name, state)
