@@ -31,6 +31,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.torch_version import TorchVersion
 
 from graphshard.passes.bucket_storage import bucket_storage
 from graphshard.passes.errors import GraphLoweringError
@@ -106,6 +107,32 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
     for nodes, full in zip(slots.values(), fulls, strict=True):
         for node in nodes:
             replace_and_erase(node, full)
+        if _CONV_BIAS_AS_AN_ADD:
+            _bias_added_after_conv(graph, make, full)
+
+
+# torch 2.11's (and 2.12's) Inductor lowers a convolution by freezing its bias's layout, which
+# a view of the gathered buffer does not have ("LoweringException: NotImplementedError: View";
+# a clone of it is removed as a no-op). There the bias is added to the convolution's output
+# instead, per output channel: the same sum. 2.13 and later take the view as it is.
+_CONV_BIAS_AS_AN_ADD = TorchVersion(torch.__version__) < (2, 13)
+
+
+def _bias_added_after_conv(graph: fx.Graph, make: NodeMaker, full: fx.Node) -> None:
+    """Each convolution that takes ``full`` as its bias runs without it; the bias, viewed as
+    ``[1, C, 1, ...]``, is added to its output."""
+    for conv in list(full.users):
+        if not (conv.target is aten.convolution.default and len(conv.args) > 2
+                and conv.args[2] is full):
+            continue
+        rank = conv.meta["val"].dim()
+        with graph.inserting_after(conv), make.provenance(conv):
+            shaped = make(aten.view.default, full, [1, -1] + [1] * (rank - 2))
+            with graph.inserting_after(shaped):
+                added = make(aten.add.Tensor, conv, shaped)
+        conv.replace_all_uses_with(
+            added, delete_user_cb=lambda user, added=added: user is not added)
+        conv.update_arg(2, None)
 
 
 def _gather_flat(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],

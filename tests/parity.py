@@ -112,6 +112,24 @@ def _odd_batch(gen: torch.Generator) -> tuple:
     return torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
 
 
+class ConvHead(nn.Module):
+    """A strided convolution with a bias (a ViT's patch embedding) under a linear head: on
+    torch 2.11 Inductor could not lower the convolution of a gathered bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 8, kernel_size=4, stride=4)
+        self.head = nn.Linear(8 * 16, 5)
+
+    def forward(self, x, y):
+        out = self.head(self.patches(x).flatten(1))
+        return MLPOutput(torch.nn.functional.mse_loss(out, y), out)
+
+
+def _images(gen: torch.Generator) -> tuple:
+    return torch.randn(2, 3, 16, 16, generator=gen), torch.randn(2, 5, generator=gen)
+
+
 CASES: dict[str, Case] = {
     "llama_tied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=True)), _tokens),
     "llama_untied": Case(lambda: Llama(llama_config("tiny", tie_embeddings=False)), _tokens),
@@ -124,6 +142,7 @@ CASES: dict[str, Case] = {
     "hf_gpt2": Case(_hf_gpt2, _tokens, _hf_loss),
     "torch_transformer": Case(_torch_transformer, _src_tgt, _seq2seq_loss),
     "odd_params": Case(OddParams, _odd_batch),
+    "conv_bias": Case(ConvHead, _images),
 }
 
 
