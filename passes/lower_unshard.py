@@ -126,10 +126,9 @@ def _bias_added_after_conv(graph: fx.Graph, make: NodeMaker, full: fx.Node) -> N
                 and conv.args[2] is full):
             continue
         rank = conv.meta["val"].dim()
-        with graph.inserting_after(conv), make.provenance(conv):
+        with graph.inserting_before(conv.next), make.provenance(conv):
             shaped = make(aten.view.default, full, [1, -1] + [1] * (rank - 2))
-            with graph.inserting_after(shaped):
-                added = make(aten.add.Tensor, conv, shaped)
+            added = make(aten.add.Tensor, conv, shaped)
         conv.replace_all_uses_with(
             added, delete_user_cb=lambda user, added=added: user is not added)
         conv.update_arg(2, None)
