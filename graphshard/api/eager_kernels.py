@@ -151,4 +151,51 @@ torch.library.register_autograd(
     "graphshard::unshard", _unshard_backward, setup_context=_unshard_setup
 )
 
+
+def _reduce_grad_setup(ctx, inputs, output):
+    m = ReduceGradArgs(*inputs)
+    ctx.marker = m._replace(grad=None, pending_full=None, pending_partial=None)
+    ctx.grad_dtype = m.grad.dtype
+    ctx.grad_shape = tuple(m.grad.shape)
+    ctx.reduced = (m.reduce_dtype or m.grad.dtype, m.grad.device)
+    ctx.pending_partial_shape = (None if m.pending_partial is None
+                                 else tuple(m.pending_partial.shape))
+    ctx.has_pending_full = m.pending_full is not None
+
+
+def _reduce_grad_backward(ctx, cotangent):
+    """The adjoint of ``reduce_grad``, for a second backward through the eager sharded model
+    (``create_graph=True``: a gradient penalty), by DTensor's rule that the gradient of a
+    partial (per-rank) value is replicated: every rank's cotangent rows are gathered into
+    the full tensor, which becomes each rank's gradient of its own full gradient (a
+    replicated 0-D value's, and the replicas' all-reduce, pass it unchanged). Each rank's
+    second backward then follows its own data, and the parameters' final reduction averages
+    them: a penalty built the DTensor way (``g.full_tensor()``, DTensor ops on the sharded
+    gradients) counts once, as in one process, while the losses average. Without it autograd
+    ran the kernel's collectives as constants, and at world >= 2 the penalty's gradient was
+    silently wrong."""
+    if torch.is_grad_enabled():
+        raise GraphshardRuntimeError(
+            "graphshard: third-order gradients (create_graph=True in a backward that already "
+            "differentiates a gradient) are not supported through the eager sharded model. "
+            "Differentiate the gradients once, or use an unsharded model for this part.")
+    m = ctx.marker
+    dtype, device = ctx.reduced
+    layout = Dim0Layout(ctx.grad_shape, m.world_size)
+    back = cotangent.to(device=device, dtype=dtype)  # the adjoint of the casts and copies
+    d_partial = (None if ctx.pending_partial_shape is None
+                 else back.reshape(ctx.pending_partial_shape))
+    full = back.clone() if layout.replicated else gather_full(back, layout, m.group_name)
+    grads: list = [None] * len(ReduceGradArgs._fields)
+    grads[0] = full.to(ctx.grad_dtype)
+    if ctx.has_pending_full:
+        grads[ReduceGradArgs._fields.index("pending_full")] = full
+    grads[ReduceGradArgs._fields.index("pending_partial")] = d_partial
+    return tuple(grads)
+
+
+torch.library.register_autograd(
+    "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
+)
+
 __all__ = ["UNSHARD", "REDUCE_GRAD", "gather_full"]
