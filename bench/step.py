@@ -466,6 +466,8 @@ def _attempt(fn, *args: Any) -> tuple[Any, dict | None]:
         text = describe_exception(exc)
         if "No module named 'triton'" in text:
             text = f"needs triton, which is not installed here: {text}"
+        elif "0 active drivers" in text:  # triton installed, but no GPU for it
+            text = f"needs triton and a GPU driver, which triton does not find here: {text}"
         return None, {"error": text}
 
 
