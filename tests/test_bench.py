@@ -206,10 +206,10 @@ def test_peers_run_or_say_why_not(two_ranks):
         return
     assert simple["step_s_median"] is not None, simple["notes"]
     assert simple["collectives_per_step"] == 2 * 21  # a gather and a reduce-scatter per param
-    if HAS_TRITON:
-        assert bucketing["step_s_median"] is not None, bucketing["notes"]
-    else:  # Inductor's overlap passes estimate runtimes with triton: recorded, not raised
-        assert bucketing["step_s_median"] is None
+    if bucketing["step_s_median"] is None:
+        # torch 2.13's overlap passes estimate runtimes with triton, which must find a GPU
+        # driver (torch 2.11's ran without): recorded, not raised, and said
+        assert not HAS_TRITON, bucketing["notes"]
         assert bucketing["notes"].startswith("failed (every rank): needs triton"), bucketing
         assert ("No module named 'triton'" in bucketing["notes"]
                 or "0 active drivers" in bucketing["notes"]), bucketing
@@ -224,7 +224,8 @@ def test_ratios_are_taken_round_by_round(two_ranks):
         expected = sorted(a / b for a, b in zip(gs, rounds, strict=True))
         assert ratio["rounds"] == 2 and ratio["min"] == pytest.approx(expected[0])
         assert ratio["p10"] <= ratio["median"] <= ratio["p90"] <= ratio["max"]
-    assert systems["simplefsdp-block-bucketing"]["graphshard_ratio"] is None or HAS_TRITON
+    bucketing = systems["simplefsdp-block-bucketing"]
+    assert (bucketing["graphshard_ratio"] is None) == (bucketing["step_s_median"] is None)
 
 
 # ----------------------------------------------------------------------------- fake world
