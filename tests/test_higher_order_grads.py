@@ -60,6 +60,11 @@ def _penalty(grads: tuple, how: str) -> torch.Tensor:
     return total.full_tensor()
 
 
+def _mesh(kind: str, world_size: int):
+    """FSDP over every rank, or HSDP: 2 replicas of ``world_size / 2`` shards."""
+    return init_device_mesh("cpu", (2, world_size // 2) if kind == "hsdp" else (world_size,))
+
+
 def train_penalized(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
     """Each (mesh, penalty) case: the eager sharded model, SGD on its loss plus the penalty;
     the rank-mean of the penalized losses, and the full state after the steps. On torch
@@ -72,8 +77,7 @@ def train_penalized(rank: int, world_size: int, cases: list[tuple[str, str]]) ->
         if not _to_local_keeps_history():
             out[(mesh_kind, how)] = {"refused": _refusal(mesh_kind, world_size)}
             continue
-        shape = (2, world_size // 2) if mesh_kind == "hsdp" else (world_size,)
-        model = graphshard.shard(_build(), mesh=init_device_mesh("cpu", shape))
+        model = graphshard.shard(_build(), mesh=_mesh(mesh_kind, world_size))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for step in range(STEPS):
@@ -92,8 +96,7 @@ def train_penalized(rank: int, world_size: int, cases: list[tuple[str, str]]) ->
 
 
 def _refusal(mesh_kind: str, world_size: int) -> str:
-    shape = (2, world_size // 2) if mesh_kind == "hsdp" else (world_size,)
-    model = graphshard.shard(_build(), mesh=init_device_mesh("cpu", shape))
+    model = graphshard.shard(_build(), mesh=_mesh(mesh_kind, world_size))
     loss = _mse(model, _batch(0, dist.get_rank()))
     try:
         torch.autograd.grad(loss, list(model.parameters()), create_graph=True)

@@ -152,6 +152,10 @@ torch.library.register_autograd(
 )
 
 
+_PENDING_FULL = ReduceGradArgs._fields.index("pending_full")
+_PENDING_PARTIAL = ReduceGradArgs._fields.index("pending_partial")
+
+
 def _reduce_grad_setup(ctx, inputs, output):
     m = ReduceGradArgs(*inputs)
     ctx.marker = m._replace(grad=None, pending_full=None, pending_partial=None)
@@ -185,12 +189,12 @@ def _reduce_grad_backward(ctx, cotangent):
     back = cotangent.to(device=device, dtype=dtype)  # the adjoint of the casts and copies
     d_partial = (None if ctx.pending_partial_shape is None
                  else back.reshape(ctx.pending_partial_shape))
-    full = back.clone() if layout.replicated else gather_full(back, layout, m.group_name)
+    full = back if layout.replicated else gather_full(back, layout, m.group_name)
     grads: list = [None] * len(ReduceGradArgs._fields)
     grads[0] = full.to(ctx.grad_dtype)
     if ctx.has_pending_full:
-        grads[ReduceGradArgs._fields.index("pending_full")] = full
-    grads[ReduceGradArgs._fields.index("pending_partial")] = d_partial
+        grads[_PENDING_FULL] = full
+    grads[_PENDING_PARTIAL] = d_partial
     return tuple(grads)
 
 
