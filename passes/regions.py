@@ -18,6 +18,11 @@ Two things keep ZeRO-3's free-after-forward true across a region:
   passed through becomes that operand in the step graph. The backward then reads the
   ``unshard`` marker's result directly, and the step's partitioner gathers it again (the
   marker is ``MUST_RECOMPUTE``) instead of saving it.
+
+The same pass keeps the gradients right: Inductor takes every region output for a buffer of
+its own, so an output that aliases an operand or another output (a saved view of the input,
+an activation's result returned as output and as saved tensor) is read in the step graph as
+that operand or output, where Inductor sees the alias and does not write over it.
 """
 
 from __future__ import annotations
@@ -185,12 +190,11 @@ def partition_region(joint: fx.GraphModule, joint_inputs: Any, *, n_params: int,
 
 
 def _view_chain(out: Any) -> tuple[fx.Node, list[fx.Node]] | None:
-    """(placeholder, the view nodes from it to ``out``, in order) when ``out`` is a region
-    body's placeholder or a chain of views of one; None otherwise."""
+    """(root, the view nodes from it to ``out``, in order): ``root`` is the first node that
+    is not a view (a region body's placeholder, or a value it computes) and ``out`` is it or
+    a chain of views of it; None when ``out`` is not a node."""
     chain: list[fx.Node] = []
-    while isinstance(out, fx.Node) and out.op != "placeholder":
-        if not is_view(out) or not isinstance(out.args[0], fx.Node):
-            return None
+    while isinstance(out, fx.Node) and is_view(out) and isinstance(out.args[0], fx.Node):
         chain.append(out)
         out = out.args[0]
     return (out, chain[::-1]) if isinstance(out, fx.Node) else None
@@ -233,11 +237,10 @@ def _operand_read(make: NodeMaker, call: fx.Node, out: Any,
     operands, computed again there). None when ``out`` is not a tensor operand or views of
     one; :class:`GraphLoweringError` when it is but the views read other body values."""
     found = _view_chain(out)
-    if found is None or not isinstance(operand_of[found[0]], fx.Node):
+    if found is None or not isinstance(operand_of.get(found[0]), fx.Node):
         return None
     source, chain = found
-    view_args = [(view.args[1:], view.kwargs) for view in chain]
-    sizes = _size_nodes(view_args, operand_of)
+    sizes = _size_nodes(_view_args(chain), operand_of)
     if sizes is None:
         raise GraphLoweringError(
             f"{call.name}: the compile region {call.args[0].target} returns a view of its "
@@ -247,16 +250,78 @@ def _operand_read(make: NodeMaker, call: fx.Node, out: Any,
             "wrong. This is a bug in graphshard; compile with graphshard.shard(..., "
             "compile_blocks_once=False) and please report it."
         )
+    return _views_in_step(make, call, operand_of[source], chain, sizes, operand_of)
+
+
+def _view_args(chain: list[fx.Node]) -> list[tuple[Any, dict]]:
+    return [(view.args[1:], view.kwargs) for view in chain]
+
+
+def _views_in_step(make: NodeMaker, after: fx.Node, base: fx.Node, chain: list[fx.Node],
+                   sizes: list[fx.Node], operand_of: dict[fx.Node, Any]) -> fx.Node:
+    """The views of ``chain`` (body nodes) taken of ``base`` in the step graph, right after
+    ``after``, with the body's size computations ``sizes`` made again from the operands."""
     step_of = dict(operand_of)
-    with call.graph.inserting_before(call.next):
+    with after.graph.inserting_before(after.next):
         for node in sizes:
             step_of[node] = make(node.target, *fx.node.map_arg(node.args, step_of.__getitem__),
                                  **fx.node.map_arg(node.kwargs, step_of.__getitem__))
-        value = step_of[source]
-        for view, (args, kwargs) in zip(chain, view_args, strict=True):
+        value = base
+        for view, (args, kwargs) in zip(chain, _view_args(chain), strict=True):
             value = make(view.target, value, *fx.node.map_arg(args, step_of.__getitem__),
                          **fx.node.map_arg(kwargs, step_of.__getitem__))
     return value
+
+
+def _read_shared_outputs_once(make: NodeMaker, call: fx.Node, reads: dict[int, list[fx.Node]],
+                              operand_of: dict[fx.Node, Any]) -> bool:
+    """Region outputs of ``call`` that share storage in its body (one value returned twice,
+    or views of one value) are read in the step graph as one output and views of it.
+
+    A block whose last op saves its result for the backward (``tanh``, ``sigmoid``)
+    returns that result twice: as its output and as a saved tensor. Inductor
+    takes the two for separate buffers: in ``h = h + block(h)`` it wrote the sum into the
+    output's, and the backward read the sum as the saved result (every gradient of the block
+    and below wrong; torch 2.11 to 2.14). Read as one node, the buffer is live until the
+    backward and is not written over. Where one shared output is not a view of another (two
+    views of a value the body does not return), the body returns a copy for each but one.
+    ``reads``: output index -> the step graph's ``getitem`` nodes of it, updated in place."""
+    body = region_body(call)
+    outputs = body.graph.output_node().args[0]
+    groups: dict[fx.Node, list[tuple[int, list[fx.Node]]]] = {}
+    for index in reads:
+        found = _view_chain(outputs[index])
+        if found is not None and found[0] not in operand_of:
+            groups.setdefault(found[0], []).append((index, found[1]))
+    changed = False
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda member: len(member[1]))
+        first, first_chain = members[0]
+        base = reads[first][0]
+        call.append(base)  # right after the call: before every read of the others
+        for index, chain in members[1:]:
+            rest = chain[len(first_chain):]
+            sizes = _size_nodes(_view_args(rest), operand_of)
+            if chain[:len(first_chain)] == first_chain and sizes is not None:
+                value = _views_in_step(make, base, base, rest, sizes, operand_of)
+                for user in reads.pop(index):
+                    user.replace_all_uses_with(value)
+            else:
+                _return_a_copy(body, index)
+            changed = True
+    return changed
+
+
+def _return_a_copy(body: fx.GraphModule, index: int) -> None:
+    """Make region ``body`` return a copy of its output ``index`` (for every call of it)."""
+    output = body.graph.output_node()
+    outputs = list(output.args[0])
+    with body.graph.inserting_before(output):
+        outputs[index] = NodeMaker(body.graph)(torch.ops.aten.clone.default, outputs[index])
+    output.args = (type(output.args[0])(outputs),)
+    body.recompile()
 
 
 def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -275,7 +340,10 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     (torch 2.11 to 2.14, also without graphshard). In the step graph the view is an alias
     Inductor sees. Under dynamic shapes the view's sizes are the body's arithmetic on its
     size operands (``[s0*s1, d]``), which the step graph computes again; a view that reads
-    any other body value is refused rather than left to alias."""
+    any other body value is refused rather than left to alias.
+
+    Region outputs that share storage with each other are read as one
+    (:func:`_read_shared_outputs_once`), for the same reason."""
     changed = False
     make = NodeMaker(gm.graph)
     for node in list(region_calls(gm)):
@@ -283,6 +351,7 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         outputs = body.graph.output_node().args[0]
         operand_of = dict(zip(placeholders, node.args[2:], strict=True))
+        reads: dict[int, list[fx.Node]] = {}
         for user in list(node.users):
             if user.op != "call_function" or user.target is not operator.getitem:
                 continue
@@ -290,6 +359,9 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             if value is not None:
                 user.replace_all_uses_with(value)
                 changed = True
+            else:
+                reads.setdefault(user.args[1], []).append(user)
+        changed |= _read_shared_outputs_once(make, node, reads, operand_of)
     if changed:
         gm.graph.eliminate_dead_code()
     return gm
