@@ -1,9 +1,9 @@
 """Rank jobs of ``test_hf_architectures``: Hugging Face models unlike Llama, built from small
 configs, sharded with the defaults and trained eagerly and compiled, against one process.
 
-- T5 (encoder-decoder): two block lists (the encoder's is the main one, the decoder's layers
-  gather with the rest), a relative position bias computed by the first block of each stack
-  and passed to the others, embeddings tied across encoder, decoder and head;
+- T5 (encoder-decoder): two block lists (the encoder's is the main one, the decoder's layer
+  gathers with the rest), a relative position bias computed by the encoder's first block and
+  passed to the second, cross-attention, embeddings tied across encoder, decoder and head;
 - Mamba: selective state-space blocks (a causal ``Conv1d``, ``SiLU`` gates, a scan), no
   attention.
 
@@ -36,7 +36,7 @@ def t5() -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     return T5ForConditionalGeneration(T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2,
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=1,
         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
 
 
