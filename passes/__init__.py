@@ -18,7 +18,11 @@ from graphshard.passes.overlap_reduce import overlap_reduce
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
 from graphshard.passes.region_sizes import sizes_outside_regions
-from graphshard.passes.regions import parameters_first_in_regions, rewire_region_passthrough
+from graphshard.passes.regions import (
+    parameters_first_in_regions,
+    read_shared_region_outputs_once,
+    rewire_region_passthrough,
+)
 from graphshard.passes.reshard import reshard
 from graphshard.passes.shard_copy_stream import shard_copy_stream
 from graphshard.passes.split_reduce import split_last_reduce
@@ -45,6 +49,7 @@ __all__ = [
     "parameters_first_in_regions",
     "prefetch",
     "reshard",
+    "read_shared_region_outputs_once",
     "rewire_region_passthrough",
     "split_last_reduce",
     "shard_copy_stream",

@@ -19,9 +19,10 @@ Two things keep ZeRO-3's free-after-forward true across a region:
   ``unshard`` marker's result directly, and the step's partitioner gathers it again (the
   marker is ``MUST_RECOMPUTE``) instead of saving it.
 
-The same pass keeps the gradients right: Inductor takes every region output for a buffer of
-its own, so an output that aliases an operand or another output (a saved view of the input,
-an activation's result returned as output and as saved tensor) is read in the step graph as
+These two passes also keep the gradients right: Inductor takes every region output for a
+buffer of its own, so an output that aliases an operand (a saved view of the input:
+``rewire_region_passthrough``) or another output (an activation's result returned as output
+and as saved tensor: :func:`read_shared_region_outputs_once`) is read in the step graph as
 that operand or output, where Inductor sees the alias and does not write over it.
 """
 
@@ -51,6 +52,7 @@ __all__ = [
     "region_body",
     "region_calls",
     "region_parameter_counts",
+    "read_shared_region_outputs_once",
     "rewire_region_passthrough",
 ]
 
@@ -273,20 +275,44 @@ def _views_in_step(make: NodeMaker, after: fx.Node, base: fx.Node, chain: list[f
     return value
 
 
-def _read_shared_outputs_once(make: NodeMaker, call: fx.Node, reads: dict[int, list[fx.Node]],
-                              operand_of: dict[fx.Node, Any]) -> bool:
-    """Region outputs of ``call`` that share storage in its body (one value returned twice,
-    or views of one value) are read in the step graph as one output and views of it.
+def _output_reads(call: fx.Node) -> list[fx.Node]:
+    """The step graph's ``getitem`` reads of region ``call``'s outputs."""
+    return [user for user in call.users
+            if user.op == "call_function" and user.target is operator.getitem]
 
-    A block whose last op saves its result for the backward (``tanh``, ``sigmoid``)
-    returns that result twice: as its output and as a saved tensor. Inductor
-    takes the two for separate buffers: in ``h = h + block(h)`` it wrote the sum into the
-    output's, and the backward read the sum as the saved result (every gradient of the block
-    and below wrong; torch 2.11 to 2.14). Read as one node, the buffer is live until the
-    backward and is not written over. Where one shared output is not a view of another (two
-    views of a value the body does not return), the body returns a copy for each but one.
-    ``reads``: output index -> the step graph's ``getitem`` nodes of it, updated in place."""
-    body = region_body(call)
+
+def read_shared_region_outputs_once(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Read region outputs that share storage in the body (one value returned twice, or views
+    of one value) as one output, and views of it taken in the step graph.
+
+    A block whose last op saves its result for the backward (``tanh``, ``sigmoid``) returns
+    that result twice: as its output and as a saved tensor. Inductor takes the two for
+    separate buffers: in ``h = h + block(h)`` it wrote the sum into the output's, and the
+    backward read the sum as the saved result (every gradient of the block and below wrong;
+    torch 2.11 to 2.14, also without graphshard). Read as one node, the buffer is live until
+    the backward and is not written over. Where one shared output is not a view of another
+    (two views of a value the body does not return), the body returns a copy for each but
+    one. Runs after :func:`rewire_region_passthrough`, which takes care of outputs that alias
+    an operand."""
+    changed = False
+    make = NodeMaker(gm.graph)
+    for call in list(region_calls(gm)):
+        body = region_body(call)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        operand_of = dict(zip(placeholders, call.args[2:], strict=True))
+        reads: dict[int, list[fx.Node]] = {}
+        for user in _output_reads(call):
+            reads.setdefault(user.args[1], []).append(user)
+        changed |= _read_once_per_value(make, call, body, reads, operand_of)
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _read_once_per_value(make: NodeMaker, call: fx.Node, body: fx.GraphModule,
+                    reads: dict[int, list[fx.Node]], operand_of: dict[fx.Node, Any]) -> bool:
+    """:func:`read_shared_region_outputs_once` for one call; ``reads``: output index -> its
+    ``getitem`` nodes."""
     outputs = body.graph.output_node().args[0]
     groups: dict[fx.Node, list[tuple[int, list[fx.Node]]]] = {}
     for index in reads:
@@ -340,10 +366,7 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     (torch 2.11 to 2.14, also without graphshard). In the step graph the view is an alias
     Inductor sees. Under dynamic shapes the view's sizes are the body's arithmetic on its
     size operands (``[s0*s1, d]``), which the step graph computes again; a view that reads
-    any other body value is refused rather than left to alias.
-
-    Region outputs that share storage with each other are read as one
-    (:func:`_read_shared_outputs_once`), for the same reason."""
+    any other body value is refused rather than left to alias."""
     changed = False
     make = NodeMaker(gm.graph)
     for node in list(region_calls(gm)):
@@ -351,17 +374,11 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         outputs = body.graph.output_node().args[0]
         operand_of = dict(zip(placeholders, node.args[2:], strict=True))
-        reads: dict[int, list[fx.Node]] = {}
-        for user in list(node.users):
-            if user.op != "call_function" or user.target is not operator.getitem:
-                continue
+        for user in _output_reads(node):
             value = _operand_read(make, node, outputs[user.args[1]], operand_of)
             if value is not None:
                 user.replace_all_uses_with(value)
                 changed = True
-            else:
-                reads.setdefault(user.args[1], []).append(user)
-        changed |= _read_shared_outputs_once(make, node, reads, operand_of)
     if changed:
         gm.graph.eliminate_dead_code()
     return gm

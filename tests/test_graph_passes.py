@@ -180,10 +180,11 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "fw_05_sizes_outside_regions.txt",
         "joint_00_input.txt",
         "joint_01_rewire_region_passthrough.txt",
-        "joint_02_fold_views.txt",
-        "joint_03_merge_reduce_grad.txt",
-        "joint_04_assign_buckets.txt",
-        "joint_05_reshard.txt",
+        "joint_02_read_shared_region_outputs_once.txt",
+        "joint_03_fold_views.txt",
+        "joint_04_merge_reduce_grad.txt",
+        "joint_05_assign_buckets.txt",
+        "joint_06_reshard.txt",
     ]
     assert "graphshard.unshard" in (graph_dir / "fw_00_input.txt").read_text()
     assert "all_gather_into_tensor" in (graph_dir / "fw_01_lower_unshard.txt").read_text()

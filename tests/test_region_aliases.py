@@ -11,7 +11,8 @@ operand taken in the step graph, an alias Inductor sees.
 A block whose last op saves its result for the backward (``Tanh``, ``Sigmoid``) returns that
 result twice, as its output and as a saved tensor; Inductor took the two for separate buffers
 and wrote the outer sum into the saved one (every gradient of the block and below wrong;
-torch 2.11 to 2.14, also without graphshard). The step graph reads the two as one output.
+torch 2.11 to 2.14, also without graphshard). ``read_shared_region_outputs_once`` reads the
+two as one output.
 Numerics against the model run eagerly (one real gloo rank), with Inductor on.
 """
 
@@ -32,9 +33,9 @@ from graphshard.passes.plan import Plan
 from graphshard.passes.regions import (
     _operand_read,
     _view_chain,
+    read_shared_region_outputs_once,
     region_body,
     region_calls,
-    rewire_region_passthrough,
 )
 
 
@@ -221,7 +222,7 @@ def test_a_value_the_region_returns_twice_is_read_once():
         return result, result
 
     gm, _, call = _region_step(outputs)
-    rewire_region_passthrough(gm, Plan())
+    read_shared_region_outputs_once(gm, Plan())
     assert [user.args[1] for user in call.users] == [0]
     (read,) = call.users
     assert {user.target for user in read.users} == {torch.ops.aten.add.Tensor,
@@ -234,7 +235,7 @@ def test_a_view_of_another_output_is_taken_in_the_step():
         return result, body.call_function(torch.ops.aten.view.default, (result, [-1]))
 
     gm, _, call = _region_step(outputs)
-    rewire_region_passthrough(gm, Plan())
+    read_shared_region_outputs_once(gm, Plan())
     (read,) = call.users
     (view,) = [user for user in read.users if user.target is torch.ops.aten.view.default]
     assert view.args == (read, [-1])
@@ -250,7 +251,7 @@ def test_two_views_of_a_value_not_returned_become_a_copy():
                 body.call_function(torch.ops.aten.permute.default, (result, [1, 0])))
 
     gm, region, call = _region_step(outputs)
-    rewire_region_passthrough(gm, Plan())
+    read_shared_region_outputs_once(gm, Plan())
     first, second = region.graph.output_node().args[0]
     assert second.target is torch.ops.aten.clone.default
     assert _view_chain(second)[0] is second and _view_chain(first)[0] is not second

@@ -8,6 +8,8 @@ Stages and their passes (each dumped before and after when a dump directory is s
   inputs, which its partitioner relies on);
 - ``joint``: ``rewire_region_passthrough`` (a block region's parameter operand, saved for its
   backward, is read as the operand, so it is gathered again rather than kept),
+  ``read_shared_region_outputs_once`` (region outputs that share storage, a result returned
+  as output and as saved tensor, are read as one, so that Inductor does not write over it),
   ``fold_views`` (markers read parameters and return gradients directly, not
   through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
   reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
@@ -49,6 +51,7 @@ from graphshard.passes import (
     overlap_reduce,
     parameters_first_in_regions,
     prefetch,
+    read_shared_region_outputs_once,
     reshard,
     rewire_region_passthrough,
     shard_copy_stream,
@@ -66,7 +69,8 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions],
-    "joint": [rewire_region_passthrough, fold_views, merge_reduce_grad, assign_buckets, reshard],
+    "joint": [rewire_region_passthrough, read_shared_region_outputs_once, fold_views,
+              merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream,
                   sizes_outside_regions],
