@@ -62,19 +62,28 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = build()
+def _train(model: TiedOutside, loss_at) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """``STEPS`` steps of SGD on ``loss_at(step)``: the losses and the full state after."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step in range(STEPS):
-        tokens = batch(step)
-        halves = [tokens[r * ROWS:(r + 1) * ROWS] for r in range(2)]
-        loss = sum(_loss(model.logits(model(t)), t) for t in halves) / 2
+        loss = loss_at(step)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                    for k, v in model.state_dict().items()}
+
+
+def reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = build()
+
+    def loss_at(step: int) -> torch.Tensor:
+        halves = batch(step).split(ROWS)
+        return sum(_loss(model.logits(model(t)), t) for t in halves) / 2
+
+    return _train(model, loss_at)
 
 
 def _head(model: TiedOutside, recipe: str, h: torch.Tensor) -> torch.Tensor:
@@ -96,16 +105,10 @@ def run_modes(rank: int, world: int
         if recipe == "method":
             graphshard.register_forward_method(model, "logits")
         run = torch.compile(model, backend=graphshard.backend()) if compiled else model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for step in range(STEPS):
-            tokens = batch(step)[rank * ROWS:(rank + 1) * ROWS]
-            loss = _loss(_head(model, recipe, run(tokens)), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        state = {k: v.full_tensor() if isinstance(v, DTensor) else v
-                 for k, v in model.state_dict().items()}
-        out[f"{recipe}-{'compiled' if compiled else 'eager'}"] = (losses, state)
+
+        def loss_at(step: int, model=model, run=run, recipe=recipe) -> torch.Tensor:
+            tokens = batch(step).split(ROWS)[rank]
+            return _loss(_head(model, recipe, run(tokens)), tokens)
+
+        out[f"{recipe}-{'compiled' if compiled else 'eager'}"] = _train(model, loss_at)
     return out
