@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
+from training_loops_jobs import sgd_steps
 
 import graphshard
 
@@ -63,15 +64,9 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: TiedOutside, loss_at) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """``STEPS`` steps of SGD on ``loss_at(step)``: the losses and the full state after."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for step in range(STEPS):
-        loss = loss_at(step)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
+    """``STEPS`` steps of SGD with momentum on ``loss_at(step)``: the losses and the full
+    state after."""
+    losses = sgd_steps(model.parameters(), loss_at, STEPS, lr=0.5)
     return losses, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                     for k, v in model.state_dict().items()}
 
