@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import graphshard
+from graphshard.api.sharding import shard_state
 from graphshard.errors import ShardedModelError
 from graphshard.safety import plain_params
 
@@ -155,6 +156,56 @@ def test_an_in_place_update_of_a_parameter_inside_forward_is_refused_eagerly():
         model = graphshard.shard(ClampsInForward())
         with pytest.raises(ShardedModelError, match="on parameter 'a.weight' inside forward"):
             model(torch.randn(4, 8))  # caught at the next read, before the update is used
+
+
+class RenormingEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)``: torch renormalises the looked-up rows of the weight in
+    place inside ``F.embedding``, where no in-place call of the model's own shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+
+
+def test_an_update_inside_a_torch_function_is_refused_compiled():
+    """Found by the gathered copy's version counter (compiled, it trained silently wrong:
+    the renormalised rows never reached the shards)."""
+    with fake_process_group(2):
+        model = graphshard.shard(RenormingEmbedding())
+        compiled = torch.compile(model, backend=graphshard.backend(inductor=False))
+        with pytest.raises(Exception) as error:
+            compiled(_ids())
+    message = str(_raised(error, ShardedModelError))
+    assert "In-place update on parameter 'emb.weight' inside forward" in message
+    assert "return self.head(self.emb(ids))" in message  # the user's line, not graphshard's
+    assert "nn.Embedding(max_norm=...)" in message and "torch.renorm" in message
+
+
+def test_an_update_inside_a_torch_function_is_refused_eagerly_and_the_recipe_runs():
+    """Eagerly autograd refuses the update of the gathered copy (a view) naming no
+    parameter; graphshard's error names it and keeps autograd's as the cause. The model
+    trains after the change the message gives."""
+    with fake_process_group(2):
+        model = graphshard.shard(RenormingEmbedding())
+        with pytest.raises(ShardedModelError, match="update on parameter 'emb.weight'") as error:
+            model(_ids())
+        assert isinstance(error.value.__cause__, RuntimeError)
+        state = shard_state(model)
+        assert state.eager_gathered == {} and state.eager_reads == []
+        model.emb.max_norm = None
+        model(_ids()).sum().backward()
+        with torch.no_grad():  # the message's recipe, on this rank's rows
+            w = model.emb.weight.to_local()
+            w.copy_(torch.renorm(w, 2, 0, 1.0))
+        assert float(model.emb.weight.to_local().detach().norm(dim=1).max()) <= 1.0 + 1e-6
 
 
 def test_updating_the_sharded_parameter_outside_forward_is_fine():

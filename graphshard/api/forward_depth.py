@@ -41,9 +41,10 @@ from torch import nn
 
 from graphshard.api.eager_gathers import release
 from graphshard.api.eager_roots import run_eagerly_as_root
+from graphshard.errors import GraphshardError
 from graphshard.records import ShardState
 from graphshard.safety.data_assignment import refuse_data_assignments
-from graphshard.safety.mutation import end_eager_reads
+from graphshard.safety.mutation import end_eager_reads, mutation_error, updated_read
 from graphshard.safety.plain_params import refuse_plain_parameters, watch_registrations
 from graphshard.safety.rank_agreement import check_same_forward
 
@@ -114,9 +115,13 @@ def counted_call(state: ShardState, fn: Callable[..., Any], /, *args: Any, **kwa
     state.forward_depth += 1
     try:
         output = fn(*args, **kwargs)
-    except BaseException:
+    except BaseException as error:
         state.forward_depth -= 1
+        updated = (updated_read(state) if isinstance(error, Exception)
+                   and not isinstance(error, GraphshardError) else None)
         _leave(state, unwinding=True)
+        if updated is not None:  # autograd refused an update of a gathered copy (a view)
+            raise mutation_error(updated, "update") from error
         raise
     state.forward_depth -= 1
     _leave(state, unwinding=False)

@@ -20,7 +20,9 @@ sharded DTensor, e.g. after ``optimizer.step()``), or use the clamped value out 
 from __future__ import annotations
 
 import operator
+import os
 import weakref
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -30,7 +32,7 @@ from graphshard.passes.markers import is_unshard, marker_args
 
 __all__ = [
     "refuse_gathered_parameter_mutation", "note_eager_read", "end_eager_reads", "mutation_error",
-    "check_unchanged",
+    "check_unchanged", "updated_read",
 ]
 
 # Dynamo-graph ops that return a view of their first argument (an in-place update through
@@ -46,8 +48,20 @@ _VIEW_FUNCTIONS = frozenset({
 })
 
 
+# An update made inside a torch function rather than by the model's own code.
+_HIDDEN_UPDATE_HINT = (
+    " A torch function can make such an update itself: nn.Embedding(max_norm=...) (and "
+    "F.embedding(..., max_norm=...)) renormalises the rows it looks up in place. Drop "
+    "max_norm and renormalise outside forward (e.g. after optimizer.step(), `with "
+    "torch.no_grad(): w = model.<embedding>.weight.to_local(); w.copy_(torch.renorm(w, 2, 0, "
+    "max_norm))`, which renormalises every row, not only those looked up), or scale the "
+    "looked-up vectors out of place."
+)
+
+
 def mutation_error(name: str, op: str, where: str = "") -> ShardedModelError:
-    """The error for an in-place ``op`` on the gathered parameter ``name``."""
+    """The error for an in-place ``op`` on the gathered parameter ``name`` (``op`` is
+    ``"update"`` where only the copy's version counter saw it)."""
     return ShardedModelError(
         f"In-place {op} on parameter {name!r} inside forward{where}: inside forward "
         "graphshard hands the module a gathered copy of the shards, and an in-place update "
@@ -55,6 +69,7 @@ def mutation_error(name: str, op: str, where: str = "") -> ShardedModelError:
         "disagree). Update the parameter outside forward, on the sharded DTensor (e.g. "
         f"`with torch.no_grad(): model.{name}.{op if op.endswith('_') else 'clamp_'}(...)` "
         "after optimizer.step()), or use the result out of place (`w = w.clamp(...)`)."
+        + (_HIDDEN_UPDATE_HINT if op == "update" else "")
     )
 
 
@@ -83,12 +98,36 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
 
 
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _where(node: fx.Node) -> str:
+    """`` (File ..., line ...: code)``: the innermost frame of ``node``'s stack trace outside
+    graphshard (the user's line), or ``""``."""
+    frames: list[list[str]] = []
+    for line in (node.meta.get("stack_trace") or "").splitlines():
+        text = line.strip()
+        if text.startswith("File "):
+            frames.append([text])
+        elif frames and text and set(text) - set("^~ "):  # code, not the caret line under it
+            frames[-1].append(text)
+    outside = [f for f in frames if _PACKAGE_DIR not in f[0]] or frames
+    return f" ({' '.join(outside[-1])})" if outside else ""
+
+
 def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
     """Raise :class:`ShardedModelError` if the Dynamo graph ``gm`` updates the result of an
-    ``unshard`` marker (a gathered parameter), or a view of it, in place."""
+    ``unshard`` marker (a gathered parameter), or a view of it, in place.
+
+    An in-place call in the graph is found by its name. One made inside a function the graph
+    calls as a whole (``F.embedding`` with ``max_norm`` renormalises rows of its weight) shows
+    only in the version counter of the gathered copy's example value, which Dynamo's fake
+    tracing advanced; such a copy is refused at the first call that read it."""
     for node in gm.graph.nodes:
         if not is_unshard(node):
             continue
+        name = marker_args(node).name
+        readers: list[fx.Node] = []
         stack = [node]
         while stack:
             current = stack.pop()
@@ -96,12 +135,20 @@ def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
                 if user.args and user.args[0] is current:
                     op = _in_place_name(user)
                     if op is not None:
-                        trace = (user.meta.get("stack_trace") or "").strip().splitlines()
-                        where = " (" + " ".join(t.strip() for t in trace[-2:]) + ")"
-                        where = where if trace else ""
-                        raise mutation_error(marker_args(node).name, op, where)
+                        raise mutation_error(name, op, _where(user))
                     if _is_view(user):
                         stack.append(user)
+                        continue
+                readers.append(user)
+        example = node.meta.get("example_value")
+        if isinstance(example, torch.Tensor) and example._version != 0:
+            first = min(readers, key=_graph_order(gm), default=node)
+            raise mutation_error(name, "update", _where(first))
+
+
+def _graph_order(gm: fx.GraphModule):
+    position = {node: index for index, node in enumerate(gm.graph.nodes)}
+    return position.__getitem__
 
 
 def _check(ref, version: int | None, name: str) -> None:
@@ -138,3 +185,15 @@ def end_eager_reads(state) -> list[tuple[str, bool]]:
     for ref, version, name, _ in reads:
         _check(ref, version, name)
     return [(name, trained) for _, _, name, trained in reads]
+
+
+def updated_read(state) -> str | None:
+    """The name of a parameter whose gathered copy, read in the eager forward now running,
+    was updated in place since, or None. Where the copy is a view (the eager gather's output
+    is), autograd itself refuses the update with an error that names no parameter; the
+    forward that sees it raises :func:`mutation_error` from it instead."""
+    for ref, version, name, _ in state.eager_reads:
+        gathered = ref()
+        if gathered is not None and version is not None and gathered._version != version:
+            return name
+    return None
