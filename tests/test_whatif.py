@@ -57,3 +57,43 @@ def test_kept_parameters_are_not_counted_as_activations(tmp_path):
     freed = what_if(factory, 2, profile="cpu-gloo", reshard_last_bucket=True)
     assert kept.params_regathered < freed.params_regathered
     assert kept.activations == freed.activations
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen base layer under a trainable head, in one bucket (as a fine-tune with
+    adapters has): the frozen bias lies at an offset in the bucket's buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(8, 16)
+        self.base.requires_grad_(False)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.base(x))).sum()
+
+
+def _adapted():
+    return _Adapted(), (torch.randn(4, 8),)
+
+
+def test_frozen_parameters_trace_and_take_no_gradient_traffic_or_state(capsys):
+    """A frozen parameter's DTensor, read as it is, once failed the fake-tensor trace (its
+    local tensor a view at an offset in the bucket's buffer); and it was counted with a
+    reduce-scatter's worth of gradient and Adam state it never has."""
+    from graphshard.tools.whatif import symbolic_report, what_if
+
+    rows = [what_if(_adapted, n, profile="cpu-gloo") for n in (2, 4)]
+    psi, psi_g = 16 * 8 + 16 + 4 * 16 + 4, 4 * 16 + 4
+    for row in rows:
+        n = row.world_size
+        assert (row.params, row.params_trained, row.buckets) == (psi, psi_g, 1)
+        # one bucket, read last in forward and kept: gathered once, its trained part reduced
+        assert row.bytes_per_step == (n - 1) * 4 * (psi + psi_g) // n
+        assert row.grads == 4 * psi_g // n and row.adam_state == 2 * row.grads
+        assert row.sharded_params == 4 * psi // n
+    report = symbolic_report(rows)
+    assert "Psi_g*b_reduce" in report
+    for line in report.splitlines()[-2:]:  # formula and graph agree, bytes and state
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[3] == cells[4] and cells[6] == cells[7], line

@@ -170,7 +170,7 @@ def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> bool:
             view = flat[offset:offset + t.numel()].view(t.shape)
             view.copy_(t)
             try:
-                made.append(view if is_fake(view) else from_dlpack(view))  # offset 0
+                made.append(_unaliased(view) if is_fake(view) else from_dlpack(view))
             except (BufferError, RuntimeError, TypeError):
                 return False  # a dtype DLPack lacks: the bucket keeps its shards as they are
             offset += piece
@@ -179,6 +179,15 @@ def _lay_out(group: BucketStorage, locals_: list[torch.Tensor]) -> bool:
     torch._dynamo.mark_static(flat)  # a graph input, static as a Parameter (see set_local)
     group.flat, group.locals = flat, made
     return True
+
+
+def _unaliased(view: torch.Tensor) -> torch.Tensor:
+    """A fake piece's local tensor: a fake tensor of its own, at offset 0. DLPack hands out no
+    fake tensor, and the view itself (at its offset in the buffer) is one Dynamo cannot
+    convert where it wraps the DTensor (a frozen parameter's read in an offline trace, where
+    every tensor is fake): "Attempted to set the storage of a tensor on device cpu to a
+    storage on different device meta". A fake tensor holds no values to share."""
+    return view.new_empty(view.shape)
 
 
 def _publish(group: BucketStorage) -> None:

@@ -152,6 +152,9 @@ class OfflineTrace:
     model_params: int  # parameter elements of the whole model (tied ones once)
     tp_split_params: int  # of which tensor parallelism splits across the tp ranks
     pass_seconds: float = 0.0  # wall time in graphshard's passes (GraphshardBackend)
+    # names of the sharded parameters that take no gradient (frozen: no reduce-scatter, no
+    # gradient, no optimizer state)
+    frozen: frozenset[str] = frozenset()
 
 
 def _unpack(built: Any, tp: int) -> tuple[nn.Module, tuple, Any]:
@@ -229,8 +232,10 @@ def trace_step_offline(
             output = compiled(*inputs)
             if backward:
                 scalar_loss(output).backward()
+        frozen = frozenset(name for entry in shard_state(model).params
+                           if not entry.param.requires_grad for name in entry.names)
         return OfflineTrace(backend.graphs, dp, tp, groups, total, split,
-                            sum(backend.pass_seconds.values()))
+                            sum(backend.pass_seconds.values()), frozen)
 
 
 def trace_offline(

@@ -60,6 +60,7 @@ class WhatIf:
     buckets: int
     params: int  # Ψ: parameters graphshard shards over dp (per tp rank: TP-local shapes)
     params_regathered: int  # parameters the backward gathers again
+    params_trained: int  # Ψ_g: of Ψ, those that take a gradient (a frozen one takes none)
     param_bytes: int  # bytes per parameter element (sharded master copy)
     sharded_params: int
     grads: int
@@ -222,6 +223,8 @@ def what_if(
     markers = [m for stages in graphs for m in _markers(stages["joint"])]
     params = sum(math.prod(marker_args(m).full_shape) for m in markers)
     shard_bytes = sum(_nbytes(marker_args(m).shard) for m in markers)
+    trained = [m for m in markers if marker_args(m).name not in trace.frozen]
+    trained_bytes = sum(_nbytes(marker_args(m).shard) for m in trained)
     elem = markers[0].meta["val"].element_size() if markers else 4
     buckets = {marker_args(m).bucket for m in markers}
     compute = comm = 0.0
@@ -246,10 +249,11 @@ def what_if(
         buckets=len(buckets),
         params=params,
         params_regathered=regathered,
+        params_trained=sum(math.prod(marker_args(m).full_shape) for m in trained),
         param_bytes=elem,
         sharded_params=shard_bytes,
-        grads=shard_bytes,
-        adam_state=ADAM_STATES * shard_bytes,
+        grads=trained_bytes,  # a frozen parameter has no gradient and no optimizer state
+        adam_state=ADAM_STATES * trained_bytes,
         peak_unsharded=summary["peak_unsharded_bytes"],
         activations=activations,
         bytes_per_step=per_dim["dp"]["bytes"] + per_dim["tp"]["bytes"],
@@ -338,19 +342,24 @@ def symbolic_report(rows: list[WhatIf]) -> str:
     """Bytes per step and per-rank memory as formulas in N (sympy), checked against ``rows``.
 
     Bytes per rank and step: the forward gathers Ψ parameters, the backward gathers again the
-    Ψ_bw it needs, the reduce-scatter moves Ψ gradients; a ring sends (N-1)/N of each. The
-    classic ZeRO-3 figure (N-1)/N·Ψ·(2·b_param + b_reduce) is the case Ψ_bw = Ψ. Padding of
-    dim 0 to a multiple of N is the only other difference, and it is shown.
+    Ψ_bw it needs, the reduce-scatter moves the gradients of the Ψ_g that take one (Ψ but
+    the frozen ones); a ring sends (N-1)/N of each. The classic ZeRO-3 figure
+    (N-1)/N·Ψ·(2·b_param + b_reduce) is the case Ψ_bw = Ψ_g = Ψ. Padding of dim 0 to a
+    multiple of N is the only other difference, and it is shown.
 
     With tensor parallelism N is the dp degree, Ψ what one tp rank holds, and the formula
     covers the dp bytes only (the tp bytes depend on activations, not parameters).
     """
     import sympy as sp
 
-    N, psi, psi_bw, bp, br = sp.symbols("N Psi Psi_bw b_param b_reduce", positive=True)
-    traffic = (N - 1) / N * (psi * bp + psi_bw * bp + psi * br)
+    N, psi, psi_bw, psi_g, bp, br = sp.symbols("N Psi Psi_bw Psi_g b_param b_reduce",
+                                               positive=True)
+    frozen = any(r.params_trained != r.params for r in rows)
+    trained = psi_g if frozen else psi  # the formulas name Psi_g only where it differs
+    traffic = (N - 1) / N * (psi * bp + psi_bw * bp + trained * br)
     zero3 = (N - 1) / N * psi * (2 * bp + br)
-    state = psi / N * (bp + bp + 2 * bp)  # params + grads + Adam (2 states), all sharded
+    # params, and for the trained ones grads + Adam (2 states), all sharded
+    state = psi / N * bp + trained / N * (bp + 2 * bp)
     tensor_parallel = any(r.tp > 1 for r in rows)
     lines = [
         f"bytes per rank and step = {sp.simplify(traffic)}",
@@ -359,6 +368,8 @@ def symbolic_report(rows: list[WhatIf]) -> str:
         "  (+ padding, + peak unsharded, + activations)",
         *(["with tensor parallelism: N = dp ranks, Psi = parameters per tp rank, bytes = dp "
            "bytes only"] if tensor_parallel else []),
+        *(["Psi_g: the parameters that take a gradient (frozen ones take none)"]
+          if frozen else []),
         "",
         f"| {'N (dp)' if tensor_parallel else 'N'} | Psi | Psi_bw | formula bytes | graph bytes "
         "| rel. diff (padding) | formula state | graph state |",
@@ -366,7 +377,7 @@ def symbolic_report(rows: list[WhatIf]) -> str:
     ]
     for r in rows:
         subs = {N: r.dp or r.world_size, psi: r.params, psi_bw: r.params_regathered,
-                bp: r.param_bytes, br: r.param_bytes}
+                psi_g: r.params_trained, bp: r.param_bytes, br: r.param_bytes}
         expected = float(traffic.subs(subs))
         state_expected = float(state.subs(subs))
         state_graph = r.sharded_params + r.grads + r.adam_state
