@@ -6,7 +6,8 @@ decided. From the joint graph and the plan alone (so every rank decides the same
 bucket-level model of the step:
 
 - **memory per rank**, along the step (forward segment by segment, then backward in reverse):
-  sharded parameters, their gradients and ``OPTIMIZER_STATES`` optimizer states of the
+  sharded parameters, and for those that train (a frozen one has no ``reduce_grad``) their
+  gradients and ``OPTIMIZER_STATES`` optimizer states of the
   shards' size (AdamW's two; the graph does not show the optimizer), all of them padded
   pieces (the same bytes on every rank), none of them under CPU offload (they live on the
   host); the activations the forward saves for backward
@@ -278,7 +279,8 @@ class _Step:
             waits.setdefault(b.bw_hi, []).append(k)
         reduce_at: dict[int, list[_Bucket]] = {}
         for b in order:
-            reduce_at.setdefault(b.first, []).append(b)
+            if b.grad:  # a bucket of frozen parameters reduces nothing
+                reduce_at.setdefault(b.first, []).append(b)
         bw_ends: list[float] = []
         if regather:
             issue_upto(depth, t, regather, regather_costs, bw_ends)
@@ -366,6 +368,7 @@ def _model(gm: fx.GraphModule, plan) -> _Step | None:
     buckets: dict[int, _Bucket] = {}
     state = 0
     counted: set[str] = set()
+    trained = {marker_args(n).name for n in graph.nodes if is_reduce_grad(n)}
     world = 1
     for m in markers:
         args = marker_args(m)
@@ -392,16 +395,18 @@ def _model(gm: fx.GraphModule, plan) -> _Step | None:
         shard_dtype = shard_val.dtype if isinstance(shard_val, torch.Tensor) else val.dtype
         reduce_dtype = args.reduce_dtype or val.dtype
         numel = math.prod(int(s) for s in args.full_shape)
-        b.grad += numel * reduce_dtype.itemsize
         piece = Dim0Layout([int(s) for s in args.full_shape], args.world_size).piece_numel
-        padded = piece * args.world_size * reduce_dtype.itemsize  # the interleaved buffer
-        # all-to-all: the buffer and the pieces received; reduce-scatter: the buffer and this
-        # rank's piece
-        b.reduce_buffers += padded + (padded if all_to_all else padded // args.world_size)
+        trains = args.name in trained  # a frozen parameter: no gradient, no optimizer state
+        if trains:
+            b.grad += numel * reduce_dtype.itemsize
+            padded = piece * args.world_size * reduce_dtype.itemsize  # the interleaved buffer
+            # all-to-all: the buffer and the pieces received; reduce-scatter: the buffer and
+            # this rank's piece
+            b.reduce_buffers += padded + (padded if all_to_all else padded // args.world_size)
         if args.compute_device:  # CPU offload: the shard state is on the host
             b.host_bytes += piece * shard_dtype.itemsize
         else:
-            state += piece * shard_dtype.itemsize * (2 + OPTIMIZER_STATES)
+            state += piece * shard_dtype.itemsize * (1 + (1 + OPTIMIZER_STATES) * trains)
     for b in buckets.values():
         if b.bw_hi < 0:
             b.bw_lo = b.bw_hi = b.last

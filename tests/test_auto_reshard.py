@@ -128,6 +128,25 @@ def test_predicted_activations_are_what_the_partitioner_saves(unbounded):
     assert unbounded.activation_bytes == _saved_activations(stages["fw"], stages["bw"])
 
 
+def test_frozen_parameters_count_no_gradient_or_optimizer_state(unbounded):
+    """A fine-tune's frozen blocks hold their shards but no gradient, no optimizer state and
+    no reduce-scatter buffers: the predicted state falls by three shards' worth each (it
+    counted all four); the peak falls, and a budget frees fewer buckets."""
+    def frozen_stack():
+        model = Stack()
+        for block in model.blocks[:2]:
+            block.requires_grad_(False)
+        return model
+
+    frozen = reshard_choice(trace(model=frozen_stack())["joint"])
+    shards = sum(p.numel() for block in Stack().blocks[:2] for p in block.parameters()) * 4 // 2
+    assert frozen.state_bytes == unbounded.state_bytes - 3 * shards
+    assert frozen.keep_all_peak_bytes < unbounded.keep_all_peak_bytes
+    budget = unbounded.zero3_peak_bytes  # all but the last bucket freed, all trained
+    assert len(reshard_choice(trace(model=frozen_stack(), memory_budget=budget)["joint"]).freed) \
+        < len(reshard_choice(trace(memory_budget=budget)["joint"]).freed)
+
+
 def test_memory_budget_option_is_checked():
     assert Plan(memory_budget="40GiB").memory_budget == 40 * 2**30
     assert Plan(memory_budget="1.5 GB").memory_budget == 1_500_000_000
