@@ -79,7 +79,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-__all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "compile_saving_its_artifacts",
+__all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "cache_reads_back",
+           "compile_saving_its_artifacts",
            "graph_digest", "share_from_default_group", "encode", "decode"]
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,28 @@ def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any], **flags: Any
             h.update(repr(type(value).__name__).encode())
     h.update(repr(sorted(flags.items())).encode())
     return h.hexdigest()[:32]
+
+
+def cache_reads_back(gm: fx.GraphModule) -> bool:
+    """Whether Inductor's caches can answer a rank that waits for ``gm``'s compilation. Not
+    for a graph that calls compile regions (``invoke_subgraph``: the blocks compiled once)
+    and has symbolic sizes (a recompile for a second sequence length): torch 2.11 to 2.14.1
+    write its FX-graph cache entry but cannot load it back (the pickled region body re-traces
+    an op whose size list holds a proxy; docs/torch-versions.md), so a rank that waited
+    would compile it all the same, after the first. There every rank compiles at once."""
+    regions = any(node.op == "call_function"
+                  and node.target is torch.ops.higher_order.invoke_subgraph
+                  for node in gm.graph.nodes)
+    return not regions or not any(_symbolic(node) for node in gm.graph.find_nodes(op="placeholder"))
+
+
+def _symbolic(placeholder: fx.Node) -> bool:
+    """Whether a graph input is a symbolic size or a tensor with one."""
+    value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
 
 
 def cache_dir_identity() -> str | None:
@@ -172,6 +195,7 @@ class ShareStats:
     whole_graphs_compiled: int = 0  # Dynamo graphs this rank compiled first for its directory
     whole_graphs_waited: int = 0  # Dynamo graphs it waited for (then AOTAutogradCache hits)
     compiled_before: int = 0  # graphs marked compiled in this directory by an earlier launch
+    unshareable: int = 0  # graphs every rank compiled at once: no cache entry could answer
     reasons: list[str] = field(default_factory=list)  # why, for each compiled_alone
 
 
@@ -203,6 +227,8 @@ class CompileShare:
                 compile_fn: Callable[[], Any], **flags: Any) -> Any:
         """``compile_fn()`` (Inductor on ``gm``), compiled once among the ranks that ask for
         the same graph; the others load what the first published, then call it (a hit)."""
+        if not cache_reads_back(gm):
+            return self._unshared(compile_fn)
         digest = graph_digest(gm, example_inputs, **flags)
         if not self.transfer:  # only ranks of one cache directory meet; nothing travels
             return self._first_in_directory(digest, "graph", compile_fn, first=("published",),
@@ -219,9 +245,17 @@ class CompileShare:
         until it is done, then run it too and are answered by AOTAutograd's cache. Ranks of
         another directory do not wait (they meet per Inductor graph in :meth:`compile`).
         ``compile_fn`` must leave a complete AOTAutogradCache entry (backward included)."""
+        if not cache_reads_back(gm):
+            return self._unshared(compile_fn)
         return self._first_in_directory(graph_digest(gm, example_inputs, **flags), "whole",
                                         compile_fn, first=("whole_graphs_compiled",),
                                         waited=("whole_graphs_waited",))
+
+    def _unshared(self, compile_fn: Callable[[], Any]) -> Any:
+        """``compile_fn()`` on this rank without meeting the others (see
+        :func:`cache_reads_back`)."""
+        self._count(("unshareable",))
+        return compile_fn()
 
     def _first_in_directory(self, digest: str, level: str, compile_fn: Callable[[], Any], *,
                             first: tuple[str, ...], waited: tuple[str, ...]) -> Any:
