@@ -141,7 +141,8 @@ def refuse_gathered_parameter_mutation(gm: fx.GraphModule) -> None:
                         continue
                 readers.append(user)
         example = node.meta.get("example_value")
-        if isinstance(example, torch.Tensor) and example._version != 0:
+        if (isinstance(example, torch.Tensor) and not example.is_inference()
+                and example._version != 0):  # an inference tensor has no version counter
             first = min(readers, key=_graph_order(gm), default=node)
             raise mutation_error(name, "update", _where(first))
 
