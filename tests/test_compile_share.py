@@ -20,10 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from graph_utils import fake_process_group
 
+import graphshard
 from graphshard.compiler import share as share_mod
 from graphshard.compiler.share import CompileShare, decode, encode
 from graphshard.errors import GraphshardTypeError
+from graphshard.models.llama import Llama, llama_config
 
 
 def test_frames_reject_truncation_and_corruption():
@@ -389,11 +392,6 @@ def test_a_graph_no_cache_can_answer_is_compiled_by_every_rank_at_once(fake_cach
     rank that waited for another's compile would then compile it too (15.8 s against 11.2 s
     for that step on two gloo ranks). Every rank compiles it at once, without meeting; the
     static graph before it still meets."""
-    from graph_utils import fake_process_group
-
-    import graphshard
-    from graphshard.models.llama import Llama, llama_config
-
     with fake_process_group(2):
         torch.manual_seed(0)
         model = graphshard.shard(Llama(llama_config("tiny")))
