@@ -275,6 +275,13 @@ def _views_in_step(make: NodeMaker, after: fx.Node, base: fx.Node, chain: list[f
     return value
 
 
+def _body_and_operands(call: fx.Node) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
+    """Region ``call``'s body, and each of its placeholders -> the step graph's operand."""
+    body = region_body(call)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    return body, dict(zip(placeholders, call.args[2:], strict=True))
+
+
 def _output_reads(call: fx.Node) -> list[fx.Node]:
     """The step graph's ``getitem`` reads of region ``call``'s outputs."""
     return [user for user in call.users
@@ -297,9 +304,7 @@ def read_shared_region_outputs_once(gm: fx.GraphModule, plan: Plan) -> fx.GraphM
     changed = False
     make = NodeMaker(gm.graph)
     for call in list(region_calls(gm)):
-        body = region_body(call)
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        operand_of = dict(zip(placeholders, call.args[2:], strict=True))
+        body, operand_of = _body_and_operands(call)
         reads: dict[int, list[fx.Node]] = {}
         for user in _output_reads(call):
             reads.setdefault(user.args[1], []).append(user)
@@ -310,7 +315,8 @@ def read_shared_region_outputs_once(gm: fx.GraphModule, plan: Plan) -> fx.GraphM
 
 
 def _read_once_per_value(make: NodeMaker, call: fx.Node, body: fx.GraphModule,
-                    reads: dict[int, list[fx.Node]], operand_of: dict[fx.Node, Any]) -> bool:
+                         reads: dict[int, list[fx.Node]], operand_of: dict[fx.Node, Any]
+                         ) -> bool:
     """:func:`read_shared_region_outputs_once` for one call; ``reads``: output index -> its
     ``getitem`` nodes."""
     outputs = body.graph.output_node().args[0]
@@ -370,10 +376,8 @@ def rewire_region_passthrough(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     changed = False
     make = NodeMaker(gm.graph)
     for node in list(region_calls(gm)):
-        body = region_body(node)
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        body, operand_of = _body_and_operands(node)
         outputs = body.graph.output_node().args[0]
-        operand_of = dict(zip(placeholders, node.args[2:], strict=True))
         for user in _output_reads(node):
             value = _operand_read(make, node, outputs[user.args[1]], operand_of)
             if value is not None:

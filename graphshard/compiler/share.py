@@ -78,6 +78,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from graphshard.passes.regions import region_calls
 
 __all__ = ["CompileShare", "ShareStats", "cache_dir_identity", "cache_reads_back",
            "compile_saving_its_artifacts",
@@ -129,19 +132,10 @@ def cache_reads_back(gm: fx.GraphModule) -> bool:
     write its FX-graph cache entry but cannot load it back (the pickled region body re-traces
     an op whose size list holds a proxy; docs/torch-versions.md), so a rank that waited
     would compile it all the same, after the first. There every rank compiles at once."""
-    regions = any(node.op == "call_function"
-                  and node.target is torch.ops.higher_order.invoke_subgraph
-                  for node in gm.graph.nodes)
-    return not regions or not any(_symbolic(node) for node in gm.graph.find_nodes(op="placeholder"))
-
-
-def _symbolic(placeholder: fx.Node) -> bool:
-    """Whether a graph input is a symbolic size or a tensor with one."""
-    value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
-    if isinstance(value, torch.SymInt):
+    if next(region_calls(gm), None) is None:
         return True
-    return isinstance(value, torch.Tensor) and any(
-        isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
+    return not any(free_symbols(node.meta.get("example_value", node.meta.get("val")))
+                   for node in gm.graph.find_nodes(op="placeholder"))
 
 
 def cache_dir_identity() -> str | None:

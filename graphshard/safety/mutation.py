@@ -153,15 +153,20 @@ def _graph_order(gm: fx.GraphModule):
 
 
 def _check(ref, version: int | None, name: str) -> None:
-    gathered = ref()
-    if gathered is not None:
-        check_unchanged(gathered, version, name)
+    if _changed(ref(), version):
+        raise mutation_error(name, "update")
+
+
+def _changed(gathered: torch.Tensor | None, version: int | None) -> bool:
+    """Whether a gathered copy (None: let go) changed since its version was ``version``
+    (None: an inference tensor, not checked)."""
+    return gathered is not None and version is not None and gathered._version != version
 
 
 def check_unchanged(gathered: torch.Tensor, version: int | None, name: str) -> None:
     """Raise if the gathered copy of ``name`` changed since its version was ``version`` (None:
     an inference tensor, not checked)."""
-    if version is not None and gathered._version != version:
+    if _changed(gathered, version):
         raise mutation_error(name, "update")
 
 
@@ -193,8 +198,5 @@ def updated_read(state) -> str | None:
     was updated in place since, or None. Where the copy is a view (the eager gather's output
     is), autograd itself refuses the update with an error that names no parameter; the
     forward that sees it raises :func:`mutation_error` from it instead."""
-    for ref, version, name, _ in state.eager_reads:
-        gathered = ref()
-        if gathered is not None and version is not None and gathered._version != version:
-            return name
-    return None
+    return next((name for ref, version, name, _ in state.eager_reads
+                 if _changed(ref(), version)), None)
