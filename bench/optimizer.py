@@ -1,4 +1,5 @@
-"""Optimizer-step benchmark: torch's three AdamW implementations on graphshard's shards.
+"""Optimizer-step benchmark: torch's three AdamW implementations, and ``clip_grad_norm_``, on
+graphshard's shards.
 
     python -m bench.optimizer --world-size 2 --model llama-small [--steps 20] [--rounds 3] \\
         [--threads 1] [--json out.json]
@@ -41,6 +42,7 @@ from torch import nn
 
 import graphshard
 from bench.systems import ADAMW_IMPLEMENTATIONS, BenchContext, build_model
+from graphshard.api import grad_norm_ops
 from graphshard.api.fused_optimizer_ops import dtensor_dispatch
 from graphshard.models.llama import CONFIGS, llama_config
 
@@ -96,12 +98,23 @@ def _time_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def _time_clips(model: nn.Module, steps: int) -> float:
+    params = list(model.parameters())
+    start = time.perf_counter()
+    for _ in range(steps):
+        torch.nn.utils.clip_grad_norm_(params, _NO_CLIP)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+_NO_CLIP = 1e9  # far above any norm here: the gradients are scaled by 1
 _DTENSOR = ("sharded", "fused-dtensor-dispatch")  # fused on the shards, DTensor's dispatch
+_CLIPS = {("sharded", "clip"), ("plain", "clip"), ("sharded", "clip-dtensor-dispatch")}
 
 
 def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, Any]:
-    """Median ms per step of every implementation on every model, interleaved by round,
-    and of the shards' fused step through DTensor's dispatch."""
+    """Median ms per call of every implementation's step and of ``clip_grad_norm_`` on
+    every model, interleaved by round, and of the shards' fused step and clip through
+    DTensor's dispatch."""
     optimizers = {
         (where, name): torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
         for where, model in models.items()
@@ -109,24 +122,33 @@ def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, A
     }
     optimizers[_DTENSOR] = torch.optim.AdamW(models["sharded"].parameters(), lr=1e-3,
                                              **IMPLEMENTATIONS["fused"])
+    keys = [*optimizers, *sorted(_CLIPS)]
 
     def timed(key: tuple[str, str], steps: int) -> float:
-        if key != _DTENSOR:
-            return _time_steps(optimizers[key], steps)
-        with dtensor_dispatch():
-            return _time_steps(optimizers[key], steps)
+        if key == _DTENSOR:
+            with dtensor_dispatch():
+                return _time_steps(optimizers[key], steps)
+        if key == ("sharded", "clip-dtensor-dispatch"):
+            with grad_norm_ops.dtensor_dispatch():
+                return _time_clips(models["sharded"], steps)
+        if key in _CLIPS:
+            return _time_clips(models[key[0]], steps)
+        return _time_steps(optimizers[key], steps)
 
-    for key in optimizers:
+    for key in keys:
         timed(key, _WARMUP)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in optimizers}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
     for _ in range(args.rounds):
-        for key in optimizers:
+        for key in keys:
             times[key].append(timed(key, args.steps))
     result: dict[str, Any] = {
         where: {name: statistics.median(times[where, name]) for name in IMPLEMENTATIONS}
         for where in models
     }
     result["fused_dtensor_dispatch_ms"] = statistics.median(times[_DTENSOR])
+    result["clip_ms"] = {where: statistics.median(times[where, "clip"]) for where in models}
+    result["clip_dtensor_dispatch_ms"] = statistics.median(
+        times["sharded", "clip-dtensor-dispatch"])
     return result
 
 
@@ -158,6 +180,9 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"fused on the shards through DTensor's dispatch (no local path): "
                  f"{result['fused_dtensor_dispatch_ms']:.2f} ms")
+    lines.append(f"clip_grad_norm_: sharded {result['clip_ms']['sharded']:.2f} ms, through "
+                 f"DTensor's dispatch {result['clip_dtensor_dispatch_ms']:.2f} ms, plain "
+                 f"{result['clip_ms']['plain']:.2f} ms")
     lines.append(f"fused vs loop after 5 steps, largest difference: "
                  f"{result['fused_vs_loop_max_abs_diff']:.3g}")
     return "\n".join(lines) + "\n"

@@ -685,7 +685,10 @@ def test_optimizer_bench_times_every_adamw_on_shards_and_plain(capsys):
     # differently
     assert 0 <= result["fused_vs_loop_max_abs_diff"] < 1e-6, result
     assert result["fused_dtensor_dispatch_ms"] > 0, result
+    assert set(result["clip_ms"]) == {"sharded", "plain"}, result
+    assert min(result["clip_ms"].values()) > 0 and result["clip_dtensor_dispatch_ms"] > 0
     table = capsys.readouterr().out
+    assert "clip_grad_norm_: sharded" in table
     assert "| sharded |" in table and "| plain |" in table and "fused ms" in table
     assert "through DTensor's dispatch" in table
     with pytest.raises(SystemExit):

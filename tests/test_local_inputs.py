@@ -141,9 +141,9 @@ def test_without_the_cpp_constructor_gradients_come_from_the_class(one_rank, mon
     """Where DTensor's constructor is not the C++ one (no torch from 2.11 to 2.14.1, but a
     release may change it) the backward builds each ``.grad`` with ``DTensor(...)``, and the
     gradients are the same."""
-    from graphshard.api import local_inputs
+    from graphshard.api import dtensor_handlers
 
-    monkeypatch.setattr(local_inputs, "_DTENSOR_NEW", None)
+    monkeypatch.setattr(dtensor_handlers, "_DTENSOR_NEW", None)
     model, eager, inits = _second_backward_counting_inits(monkeypatch)
     assert len(inits) == len(list(model.parameters()))  # one constructor call per gradient
     assert all(p.grad._spec is p._spec for p in model.parameters())

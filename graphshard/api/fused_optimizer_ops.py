@@ -33,14 +33,14 @@ import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.dtensor_handlers import through_dtensor
+from graphshard.api.dtensor_handlers import handlers_aside, through_dtensor
 
 __all__ = ["LOCAL_OPS", "dtensor_dispatch", "run_fused_optimizers_locally"]
 
@@ -96,16 +96,10 @@ def _forget(ids: set[int]) -> None:
     _AGREED.clear()
 
 
-@contextlib.contextmanager
-def dtensor_dispatch() -> Iterator[None]:
+def dtensor_dispatch() -> contextlib.AbstractContextManager[None]:
     """Within, the fused steps go through DTensor's own dispatch again (what they cost, and
     compute, without the local path: the benchmark's and the tests' reference)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    ours = {op: handlers.pop(op) for op in LOCAL_OPS if handlers.get(op) is _local_or_default}
-    try:
-        yield
-    finally:
-        handlers.update(ours)
+    return handlers_aside(_local_or_default)
 
 
 def _local_or_default(op: Any, args: tuple, kwargs: dict) -> Any:

@@ -73,6 +73,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from graphshard.api.bucket_storage import follow_new_storage, keep_stored
+from graphshard.api.dtensor_handlers import wrap_local
 from graphshard.records import ShardedParam
 from graphshard.safety.guards import on_new_storage
 
@@ -255,7 +256,7 @@ class _ToParameters(torch.autograd.Function):
                                               run_check=False, shape=spec.shape,
                                               stride=spec.stride))
             else:
-                out.append(_dtensor(grad, spec))
+                out.append(wrap_local(grad, spec))
         return tuple(out)
 
 
@@ -286,28 +287,12 @@ def _accumulate(param: DTensor, spec: Any, grad: torch.Tensor, accumulator: Any)
     if current is None:
         if grad.stride() != local.stride():
             return False  # AccumulateGrad would copy it into the parameter's layout
-        param.grad = _dtensor(grad, spec)
+        param.grad = wrap_local(grad, spec)
         return True
     if type(current) is DTensor and current._spec is spec:
         current._local_tensor.add_(grad)
         return True
     return False
-
-
-# DTensor's constructor where it is the C++ one (torch 2.11 to 2.14.1): called as
-# ``DTensor(...)`` it also runs ``DTensor.__init__``, which does nothing but costs three
-# Python wrappers (Dynamo's and export's), about 2.8 us a call here: 0.4 ms a step at 147
-# parameters. Were a release to make it Python again, the class itself.
-_CPP_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
-_DTENSOR_NEW = _CPP_NEW if _CPP_NEW is not None and DTensor.__new__ is _CPP_NEW else None
-
-
-def _dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
-    """A gradient DTensor around ``grad`` on ``spec``: what ``DTensor(grad, spec,
-    requires_grad=False)`` makes, without its no-op ``__init__``."""
-    if _DTENSOR_NEW is None:
-        return DTensor(grad, spec, requires_grad=False)
-    return _DTENSOR_NEW(DTensor, grad, spec, requires_grad=False)
 
 
 # index -> the indices of the records read through the same modules' dicts (its own

@@ -38,6 +38,7 @@ from graphshard.api.bucket_storage import store_buckets
 from graphshard.api.forward_depth import track_forwards
 from graphshard.api.functional_calls import watch_functional_calls
 from graphshard.api.fused_optimizer_ops import run_fused_optimizers_locally
+from graphshard.api.grad_norm_ops import run_grad_norm_ops_locally
 from graphshard.api.local_inputs import register_locals
 from graphshard.api.mixed_precision import MixedPrecision, install_casts
 from graphshard.api.offload import (
@@ -496,6 +497,10 @@ def shard(
     local_index = dict(zip(map(id, state.params), register_locals(state.params), strict=True))
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
     run_fused_optimizers_locally(module, (entry.param for entry in state.params))
+    # and clip_grad_norm_'s list ops on their gradients (api.grad_norm_ops)
+    run_grad_norm_ops_locally(module, {id(e.param.device_mesh): e.param.device_mesh
+                                       for e in state.params
+                                       if isinstance(e.param, DTensor)}.values())
     for sub, pnames in owners.values():
         if getattr(sub, "_graphshard_specs", None) is not None:
             continue
