@@ -34,6 +34,7 @@ def test_world1_cases_run_eagerly_on_the_cpu(gloo_world, tmp_path):
         gpu_cases.case_precision(gloo_world, "eager", precision)
     gpu_cases.case_no_sync(gloo_world, "eager")
     gpu_cases.case_activation_checkpointing(gloo_world, "eager")
+    gpu_cases.case_clip_grad_norm(gloo_world, "eager")
     for how in ("init", "broadcast"):
         gpu_cases.case_meta_init(gloo_world, "eager", how)
     gpu_cases.case_dcp(gloo_world, "eager", str(tmp_path / "dcp"))
@@ -54,5 +55,6 @@ def test_fake_world_cases_match_the_tiled_reference_on_the_cpu(cpu_fake_world):
     gpu_cases.case_hsdp(cpu_fake_world, "eager")
     gpu_cases.case_tensor_parallel(cpu_fake_world, "eager")
     gpu_cases.case_activation_checkpointing(cpu_fake_world, "eager")
+    gpu_cases.case_clip_grad_norm(cpu_fake_world, "eager")
     for how in ("init", "broadcast"):
         gpu_cases.case_meta_init(cpu_fake_world, "eager", how)

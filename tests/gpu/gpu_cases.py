@@ -33,7 +33,7 @@ from gpu_harness import (
 from torch import nn
 
 import graphshard
-from graphshard.api import step_prefetch
+from graphshard.api import grad_norm_ops, step_prefetch
 from graphshard.models.llama import Llama, tensor_parallel_plan
 
 
@@ -106,6 +106,43 @@ def case_activation_checkpointing(world: World, mode: str) -> None:
     out = train(world, model, job, mode)
     ref = reference(job, world.device, shapes=out.local_shapes)
     check(out, ref, "fp32", _what(world, mode, "activation checkpointing"))
+
+
+def case_clip_grad_norm(world: World, mode: str) -> None:
+    """After every backward, ``clip_grad_norm_`` (a threshold that scales) on the local path
+    (:mod:`graphshard.api.grad_norm_ops`) and, on a copy of the gradients, through DTensor's
+    dispatch: the same total norm and gradients, bit for bit, on the device; the local path
+    serves every step after the first. Training then goes on with the clipped gradients."""
+    job = llama_job()
+    served: list[int] = []  # norms wrapped by the local path, per step
+    wrap = grad_norm_ops.wrap_local
+
+    def clip_both_ways(model: nn.Module) -> None:
+        params = [p for p in model.parameters() if p.grad is not None]
+        saved = [p.grad.detach().clone() for p in params]
+        wrapped: list[int] = []
+        grad_norm_ops.wrap_local = lambda norm, spec: wrapped.append(1) or wrap(norm, spec)
+        try:
+            total = torch.nn.utils.clip_grad_norm_(params, 0.05)
+        finally:
+            grad_norm_ops.wrap_local = wrap
+        served.append(len(wrapped))
+        clipped = [p.grad for p in params]
+        for p, grad in zip(params, saved, strict=True):
+            p.grad = grad
+        with grad_norm_ops.dtensor_dispatch():
+            expected = torch.nn.utils.clip_grad_norm_(params, 0.05)
+        what = _what(world, mode, "clip_grad_norm_")
+        assert torch.equal(local(total), local(expected)), what
+        assert total.placements == expected.placements, what
+        for mine, theirs in zip(clipped, (p.grad for p in params), strict=True):
+            assert mine.placements == theirs.placements, what
+            assert torch.equal(local(mine), local(theirs)), what
+
+    model = shard_job(world, job)
+    train(world, model, job, mode, after_backward=clip_both_ways)
+    count = len(list(model.parameters()))
+    assert served == [0] + [count] * (STEPS - 1), served
 
 
 def case_step_prefetch(world: World) -> None:

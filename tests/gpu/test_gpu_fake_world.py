@@ -3,7 +3,7 @@ the other 7 ranks are imagined to hold what rank 0 holds. Each case is checked a
 process training the model the fake world computes (rank 0's blocks tiled, see
 ``gpu_harness``), eager and compiled: fp32, bf16 and fp16 mixed precision, ``no_sync``,
 HSDP 2 x 4, tensor parallel dp 4 x tp 2, activation checkpointing, ``step_prefetch``,
-coalesced collectives, and
+coalesced collectives, ``clip_grad_norm_`` on the local path against DTensor's, and
 meta-device construction with ``init_weights`` or a broadcast load."""
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ def test_tensor_parallel_dp4_tp2(fake_world8, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_activation_checkpointing(fake_world8, mode):
     gpu_cases.case_activation_checkpointing(fake_world8, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clip_grad_norm(fake_world8, mode):
+    gpu_cases.case_clip_grad_norm(fake_world8, mode)
 
 
 def test_step_prefetch(fake_world8):

@@ -1,6 +1,7 @@
 """CUDA, NCCL world 1: training against one process, eager and compiled: fp32, bf16 and
-fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing, and
-``torch.compile``'s mode for Inductor."""
+fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing,
+``clip_grad_norm_`` on the local path against DTensor's, and ``torch.compile``'s mode for
+Inductor."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def test_no_sync(nccl_world, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_activation_checkpointing(nccl_world, mode):
     gpu_cases.case_activation_checkpointing(nccl_world, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clip_grad_norm(nccl_world, mode):
+    gpu_cases.case_clip_grad_norm(nccl_world, mode)
 
 
 def test_compile_mode(nccl_world):
