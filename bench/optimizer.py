@@ -98,17 +98,18 @@ def _time_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def _time_clips(model: nn.Module, steps: int) -> float:
+def _time_clips(model: nn.Module, steps: int, clip=torch.nn.utils.clip_grad_norm_) -> float:
     params = list(model.parameters())
     start = time.perf_counter()
     for _ in range(steps):
-        torch.nn.utils.clip_grad_norm_(params, _NO_CLIP)
+        clip(params, _NO_CLIP)
     return (time.perf_counter() - start) / steps * 1e3
 
 
 _NO_CLIP = 1e9  # far above any norm here: the gradients are scaled by 1
 _DTENSOR = ("sharded", "fused-dtensor-dispatch")  # fused on the shards, DTensor's dispatch
-_CLIPS = {("sharded", "clip"), ("plain", "clip"), ("sharded", "clip-dtensor-dispatch")}
+_CLIPS = {("sharded", "clip"), ("plain", "clip"), ("sharded", "clip-dtensor-dispatch"),
+          ("sharded", "clip-graphshard")}
 
 
 def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, Any]:
@@ -131,6 +132,8 @@ def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, A
         if key == ("sharded", "clip-dtensor-dispatch"):
             with grad_norm_ops.dtensor_dispatch():
                 return _time_clips(models["sharded"], steps)
+        if key == ("sharded", "clip-graphshard"):
+            return _time_clips(models["sharded"], steps, graphshard.clip_grad_norm_)
         if key in _CLIPS:
             return _time_clips(models[key[0]], steps)
         return _time_steps(optimizers[key], steps)
@@ -149,6 +152,7 @@ def _time(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, A
     result["clip_ms"] = {where: statistics.median(times[where, "clip"]) for where in models}
     result["clip_dtensor_dispatch_ms"] = statistics.median(
         times["sharded", "clip-dtensor-dispatch"])
+    result["clip_graphshard_ms"] = statistics.median(times["sharded", "clip-graphshard"])
     return result
 
 
@@ -181,7 +185,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines.append(f"fused on the shards through DTensor's dispatch (no local path): "
                  f"{result['fused_dtensor_dispatch_ms']:.2f} ms")
     lines.append(f"clip_grad_norm_: sharded {result['clip_ms']['sharded']:.2f} ms, through "
-                 f"DTensor's dispatch {result['clip_dtensor_dispatch_ms']:.2f} ms, plain "
+                 f"DTensor's dispatch {result['clip_dtensor_dispatch_ms']:.2f} ms, "
+                 f"graphshard.clip_grad_norm_ {result['clip_graphshard_ms']:.2f} ms, plain "
                  f"{result['clip_ms']['plain']:.2f} ms")
     lines.append(f"fused vs loop after 5 steps, largest difference: "
                  f"{result['fused_vs_loop_max_abs_diff']:.3g}")

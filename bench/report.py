@@ -268,6 +268,8 @@ def header(report: dict) -> str:
     )
     optimizer = cfg.get("optimizer", "default")
     adamw = "AdamW" if optimizer == "default" else f"AdamW ({optimizer})"
+    if cfg.get("clip_grad_norm") is not None:
+        adamw += f" after clip_grad_norm_ to {cfg['clip_grad_norm']:g}"
     return (
         f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, {adamw}, "
         f"{precision(cfg.get('mixed_precision', 'none'))}, "

@@ -207,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "per-parameter loop on the CPU, foreach on a GPU), loop, foreach or fused",
     )
     parser.add_argument(
+        "--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+        help="clip the gradients' global norm to MAX_NORM between backward and the optimizer "
+        "step, for every system: graphshard.clip_grad_norm_ for graphshard's, "
+        "torch.nn.utils.clip_grad_norm_ for the others (default: no clip)",
+    )  # fmt: skip
+    parser.add_argument(
         "--mixed-precision", default="none", choices=list(MIXED_PRECISION),
         help="parameter/compute dtype for every system, gradients reduced in fp32: graphshard "
         "MixedPrecision, FSDP2 and SimpleFSDP mp_policy, torch.autocast for DDP and "
@@ -598,7 +604,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
     store = dist.FileStore(store_path, args.processes)
     device = _init_process_group(rank, args, dist.PrefixStore("pg", store))
     ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size,
-                       args.optimizer, args.mixed_precision)
+                       args.optimizer, args.mixed_precision, args.clip_grad_norm)
     runner = _Rank(rank, args, ctx, store)
     groups = [[name] for name in args.systems] if args.sequential else [args.systems]
     records = []

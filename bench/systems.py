@@ -220,6 +220,8 @@ class BenchContext:
     optimizer: str = "default"
     # a key of MIXED_PRECISION: "none" (fp32), "bf16" or "fp16"
     mixed_precision: str = "none"
+    # clip_grad_norm_'s threshold after every backward, for every system (None: no clip)
+    clip_grad_norm: float | None = None
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -240,7 +242,10 @@ class System:
     optimizer step issued, so that, interleaved, they do not finish under other systems'
     steps for free); ``autocast``, where set, is the dtype the forward and the loss run
     in under ``torch.autocast`` (the mixed precision of systems without a policy of their
-    own: DDP, single-compiled).
+    own: DDP, single-compiled); ``clip_grad_norm``, where set, the threshold to which
+    ``clip`` (``torch.nn.utils.clip_grad_norm_``; graphshard's systems:
+    ``graphshard.clip_grad_norm_``, which their users call) clips the gradients of
+    ``module``'s parameters between backward and the optimizer step.
     """
 
     name: str
@@ -254,6 +259,8 @@ class System:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     settle: Callable[[], None] = lambda: None
     autocast: torch.dtype | None = None
+    clip_grad_norm: float | None = None
+    clip: Callable[..., torch.Tensor] = torch.nn.utils.clip_grad_norm_
 
 
 _PRIVATE_CLASSES: dict[str, type[Llama]] = {}
@@ -355,7 +362,8 @@ def _graphshard(
     model = graphshard.shard(build_model(ctx, name, on_host=offload), _mesh(group, ctx),
                              **shard_options)
     if name.endswith("-eager"):
-        return System(name, model, model, _adamw(model, ctx), group=group)
+        return System(name, model, model, _adamw(model, ctx), group=group,
+                      clip=graphshard.clip_grad_norm_)
     backend = graphshard.backend(**options)
     run = torch.compile(model, backend=backend)
 
@@ -364,7 +372,8 @@ def _graphshard(
             wait_issued()
 
     return System(
-        name, run, model, _adamw(model, ctx), backend=backend, group=group, settle=settle
+        name, run, model, _adamw(model, ctx), backend=backend, group=group, settle=settle,
+        clip=graphshard.clip_grad_norm_,
     )
 
 
@@ -567,11 +576,16 @@ def build_system(name: str, ctx: BenchContext) -> System:
         raise KeyError(f"Unknown system {name!r}; choose from {', '.join(SYSTEMS)} or "
                        "graphshard-compiled[option=value,...]")
     if name in ONE_PROCESS_SYSTEMS:
-        return _BUILDERS[name](ctx, None)
-    if is_offload(name):
-        _needs_accelerator(ctx, name)  # the same answer on every rank, before any group
-    if not dist.is_initialized():
-        raise RuntimeError(f"{name} needs an initialised process group")
-    if options is not None:
-        return _graphshard(ctx, dist.new_group(), name, offload=is_offload(name), **options)
-    return _BUILDERS[name](ctx, dist.new_group())
+        system = _BUILDERS[name](ctx, None)
+    else:
+        if is_offload(name):
+            _needs_accelerator(ctx, name)  # the same answer on every rank, before any group
+        if not dist.is_initialized():
+            raise RuntimeError(f"{name} needs an initialised process group")
+        if options is not None:
+            system = _graphshard(ctx, dist.new_group(), name, offload=is_offload(name),
+                                 **options)
+        else:
+            system = _BUILDERS[name](ctx, dist.new_group())
+    system.clip_grad_norm = ctx.clip_grad_norm
+    return system

@@ -30,8 +30,9 @@ def _forward_context(system: System, tokens: torch.Tensor) -> contextlib.Abstrac
 
 def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
     """One full step inside the system's context: forward (and loss, under autocast where
-    the system asks for it: ``System.autocast``), backward, optimizer step, gradients set
-    to None, then whatever the system must finish before the step counts as done
+    the system asks for it: ``System.autocast``), backward, the system's clip where it has
+    a threshold (``System.clip_grad_norm``), optimizer step, gradients set to
+    None, then whatever the system must finish before the step counts as done
     (``System.settle``).
 
     fp16 autocast runs without a ``GradScaler``: the bench times steps, and a gradient that
@@ -41,6 +42,8 @@ def train_step(system: System, tokens: torch.Tensor) -> torch.Tensor:
         with _forward_context(system, tokens):
             loss = system.run(tokens).loss
         loss.backward()
+        if system.clip_grad_norm is not None:
+            system.clip(system.module.parameters(), system.clip_grad_norm)
         system.optimizer.step()
         system.optimizer.zero_grad(set_to_none=True)
         system.settle()

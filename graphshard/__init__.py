@@ -10,6 +10,7 @@ check_torch_version()  # first: on a too-old torch, one clear ImportError naming
 
 from graphshard import _source_tree  # noqa: F401  (mounts graphshard.passes in a checkout)
 from graphshard.api.block_regions import BlockInlinedWarning
+from graphshard.api.clip_grad import clip_grad_norm_
 from graphshard.api.eager_roots import EagerForwardWarning
 from graphshard.api.forward_methods import register_forward_method
 from graphshard.api.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
@@ -58,6 +59,7 @@ __all__ = [
     "no_sync",
     "set_requires_gradient_sync",
     "set_requires_all_reduce",
+    "clip_grad_norm_",
     "MIN_TORCH",
 ]
 __version__ = "0.1.0"

@@ -214,6 +214,11 @@ def job_basics(rank: int, world_size: int, mesh, mode: str, inf_norm: bool) -> d
     if inf_norm:
         inf = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
         out["total_norm_inf"] = full(inf)
+    saved = [p.grad.detach().clone() for p in model.parameters()]
+    out["gs_clip_norm"] = full(graphshard.clip_grad_norm_(model.parameters(), MAX_NORM))
+    out["gs_clipped"] = {n: full(p.grad) for n, p in net.named_parameters()}
+    for p, grad in zip(model.parameters(), saved, strict=True):
+        p.grad = grad
     out["clip_norm"] = full(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
     out["clipped"] = {n: full(p.grad) for n, p in net.named_parameters()}
     torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)

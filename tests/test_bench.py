@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 
 from bench.comm import count_collectives
 from bench.fake_world import collective_seconds
-from bench.report import add_ratios, fake_world_lines
+from bench.report import add_ratios, fake_world_lines, header
 from bench.step import (
     FIELDS,
     _attempt,
@@ -246,7 +246,9 @@ def test_fake_world_trains_on_real_values(fake_world):
     """A gather that left zeros would pin the loss at ln(vocab) (all logits 0)."""
     report, table = fake_world
     assert report["config"]["world_size"] == 2 and "fake world of 2" in table
-    assert "AdamW (fused)" in table
+    assert "AdamW (fused)," in table and report["config"]["clip_grad_norm"] is None
+    clipped = {**report, "config": {**report["config"], "clip_grad_norm": 1000.0}}
+    assert "AdamW (fused) after clip_grad_norm_ to 1000," in header(clipped)
     uniform = math.log(llama_config("tiny").vocab_size)
     for name, s in _fake_world_rows(report).items():
         assert s["step_s_median"] is not None, s["notes"]
@@ -664,6 +666,32 @@ def test_autocast_runs_the_forward_in_the_systems_dtype():
         assert set(grads) == {torch.float32}
 
 
+def test_clip_grad_norm_option_clips_between_backward_and_the_step():
+    """``--clip-grad-norm``: every system's step clips its gradients' global norm to the
+    threshold before the optimizer steps; without it they are left alone."""
+    from bench.systems import System
+    from bench.timing import train_step
+
+    assert parse_args(["--json", "x.json"]).clip_grad_norm is None
+    assert parse_args(["--json", "x.json", "--clip-grad-norm", "0.5"]).clip_grad_norm == 0.5
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    norms: list[float] = []  # the gradients' global norm when the optimizer steps
+    optimizer.register_step_pre_hook(lambda opt, *_: norms.append(
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()))
+    for threshold in (None, 1e-3):
+        system = System("x", model, model, optimizer, distributed=False,
+                        clip_grad_norm=threshold)
+        train_step(system, torch.randint(0, 256, (2, 16)))
+    assert norms[0] > 1e-2 and norms[1] == pytest.approx(1e-3, rel=1e-3), norms
+    clips = []  # a system's own clip (graphshard's systems: graphshard.clip_grad_norm_)
+    system = System("x", model, model, optimizer, distributed=False, clip_grad_norm=0.5,
+                    clip=lambda params, max_norm: clips.append(max_norm))
+    train_step(system, torch.randint(0, 256, (2, 16)))
+    assert clips == [0.5]
+
+
 def test_block_bucket_plans_follow_graph_trainer():
     model = Llama(llama_config("tiny"))
     plans = ["tok_embeddings", ["norm", "output"], "layers.0", "layers.1"]
@@ -687,6 +715,7 @@ def test_optimizer_bench_times_every_adamw_on_shards_and_plain(capsys):
     assert result["fused_dtensor_dispatch_ms"] > 0, result
     assert set(result["clip_ms"]) == {"sharded", "plain"}, result
     assert min(result["clip_ms"].values()) > 0 and result["clip_dtensor_dispatch_ms"] > 0
+    assert result["clip_graphshard_ms"] > 0
     table = capsys.readouterr().out
     assert "clip_grad_norm_: sharded" in table
     assert "| sharded |" in table and "| plain |" in table and "fused ms" in table

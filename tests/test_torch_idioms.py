@@ -275,6 +275,16 @@ def test_clip_grad_norm_matches_single_process(request, world, mode):
 
 
 @pytest.mark.parametrize("world,mode", ALL, ids=ALL_IDS)
+def test_graphshard_clip_grad_norm_gives_torchs_result_bit_for_bit(request, world, mode):
+    """``graphshard.clip_grad_norm_`` on the same gradients: torch's total norm and clipped
+    gradients exactly (uneven shards with an empty one, and HSDP, included)."""
+    for res in _results(request, world, "basics", mode):
+        assert torch.equal(res["gs_clip_norm"], res["clip_norm"])
+        assert res["gs_clipped"].keys() == res["clipped"].keys()
+        assert all(torch.equal(res["gs_clipped"][n], g) for n, g in res["clipped"].items())
+
+
+@pytest.mark.parametrize("world,mode", ALL, ids=ALL_IDS)
 def test_clip_grad_value_matches_single_process(request, world, mode):
     ref = _ref_clipping(_size(world))
     clipped = torch.cat([g.flatten() for g in ref["clipped"].values()])

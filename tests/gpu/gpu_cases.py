@@ -109,10 +109,11 @@ def case_activation_checkpointing(world: World, mode: str) -> None:
 
 
 def case_clip_grad_norm(world: World, mode: str) -> None:
-    """After every backward, ``clip_grad_norm_`` (a threshold that scales) on the local path
-    (:mod:`graphshard.api.grad_norm_ops`) and, on a copy of the gradients, through DTensor's
-    dispatch: the same total norm and gradients, bit for bit, on the device; the local path
-    serves every step after the first. Training then goes on with the clipped gradients."""
+    """After every backward, torch's ``clip_grad_norm_`` (a threshold that scales) with
+    graphshard's local norms (:mod:`graphshard.api.grad_norm_ops`), ``graphshard.clip_grad_norm_``
+    on a copy of the gradients, and torch's through DTensor's dispatch on another: the same
+    total norm and gradients, bit for bit, on the device; the local norms serve every step
+    after the first. Training then goes on with the clipped gradients."""
     job = llama_job()
     served: list[int] = []  # norms wrapped by the local path, per step
     wrap = grad_norm_ops.wrap_local
@@ -129,15 +130,21 @@ def case_clip_grad_norm(world: World, mode: str) -> None:
         served.append(len(wrapped))
         clipped = [p.grad for p in params]
         for p, grad in zip(params, saved, strict=True):
+            p.grad = grad.clone()
+        ours = graphshard.clip_grad_norm_(params, 0.05)
+        ours_clipped = [p.grad for p in params]
+        for p, grad in zip(params, saved, strict=True):
             p.grad = grad
         with grad_norm_ops.dtensor_dispatch():
             expected = torch.nn.utils.clip_grad_norm_(params, 0.05)
-        what = _what(world, mode, "clip_grad_norm_")
-        assert torch.equal(local(total), local(expected)), what
-        assert total.placements == expected.placements, what
-        for mine, theirs in zip(clipped, (p.grad for p in params), strict=True):
-            assert mine.placements == theirs.placements, what
-            assert torch.equal(local(mine), local(theirs)), what
+        for how, got, got_grads in (("torch's", total, clipped),
+                                    ("graphshard's", ours, ours_clipped)):
+            what = _what(world, mode, how, "clip_grad_norm_")
+            assert torch.equal(local(got), local(expected)), what
+            assert got.placements == expected.placements, what
+            for mine, theirs in zip(got_grads, (p.grad for p in params), strict=True):
+                assert mine.placements == theirs.placements, what
+                assert torch.equal(local(mine), local(theirs)), what
 
     model = shard_job(world, job)
     train(world, model, job, mode, after_backward=clip_both_ways)
