@@ -61,11 +61,19 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    norm_placements = _local_layout(grads, float(norm_type), foreach)
-    if norm_placements is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
-                                              foreach)
-    norm_type = float(norm_type)
+    norm_placements = (None if torch.compiler.is_compiling()  # traced: torch's code as it is
+                       else _local_layout(grads, float(norm_type), foreach))
+    if norm_placements is None:  # an emptied generator stays one: torch warns about it
+        return torch.nn.utils.clip_grad_norm_(params or parameters, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
+    with torch.no_grad():  # as torch's: the gradients are scaled in place, untracked
+        return _clip_locally(grads, float(max_norm), float(norm_type), norm_placements,
+                             error_if_nonfinite)
+
+
+def _clip_locally(grads: list[DTensor], max_norm: float, norm_type: float,
+                  norm_placements: tuple, error_if_nonfinite: bool) -> torch.Tensor:
+    """torch's steps on the local tensors of ``grads`` (module docstring)."""
     locals_ = [g._local_tensor for g in grads]
     groups = _group_tensors_by_device_and_dtype([locals_])  # torch's grouping and order
     norms: list[torch.Tensor] = []
@@ -81,7 +89,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is not finite, so they "
             "cannot be clipped. Pass error_if_nonfinite=False to scale them by it anyway.")
-    coef = torch.clamp(float(max_norm) / (total.to_local() + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total.to_local() + 1e-6), max=1.0)
     for (device, _), ([device_locals], _) in groups.items():
         torch._foreach_mul_(device_locals, coef.to(device))
     return total
