@@ -142,3 +142,20 @@ def test_parameters_without_gradients_and_a_single_tensor(fake2, local_path):
     assert torch.equal(total.to_local(), expected.to_local())
     assert torch.equal(one.grad.to_local(), other.grad.to_local())
     assert local_path == [True, True]
+
+
+def test_gradients_on_equal_meshes_of_different_objects_take_the_local_path(fake2, local_path):
+    """A gradient whose mesh is an equal but distinct object (DTensor's sharding cache can
+    give an op's output the mesh of an earlier equal call) is on the same mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    for model in (mine, theirs):
+        last = list(model.parameters())[-1]
+        twin = DeviceMesh.from_group(last.device_mesh.get_group(), "cpu")
+        assert twin == last.device_mesh and twin is not last.device_mesh
+        last.grad = DTensor.from_local(last.grad.to_local(), twin, last.placements,
+                                       shape=last.shape, stride=last.stride())
+    _same(mine, graphshard.clip_grad_norm_(mine.parameters(), 0.5),
+          theirs, torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5))
+    assert local_path == [True]

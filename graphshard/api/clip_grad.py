@@ -33,6 +33,8 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from graphshard.errors import GraphshardRuntimeError
+
 __all__ = ["clip_grad_norm_"]
 
 # (id of the mesh, the gradients' placements, norm type) -> (the mesh, kept alive; the
@@ -86,7 +88,7 @@ def _clip_locally(grads: list[DTensor], max_norm: float, norm_type: float,
                                  shape=stacked.shape, stride=stacked.stride())
     total = torch.linalg.vector_norm(partial, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(
+        raise GraphshardRuntimeError(
             f"The total norm of order {norm_type} of the gradients is not finite, so they "
             "cannot be clipped. Pass error_if_nonfinite=False to scale them by it anyway.")
     coef = torch.clamp(max_norm / (total.to_local() + 1e-6), max=1.0)
@@ -102,8 +104,11 @@ def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None) -> t
         return None
     spec = grads[0]._spec
     mesh, placements = spec.mesh, spec.placements
+    # equal meshes, not only the same object: DTensor's sharding cache can hand an op's
+    # output the spec, and so the mesh object, of an earlier equal call
     if any(p.is_partial() for p in placements) or not all(
-            g._spec.mesh is mesh and g._spec.placements == placements for g in grads):
+            (g._spec.mesh is mesh or g._spec.mesh == mesh) and g._spec.placements == placements
+            for g in grads):
         return None
     for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():
         if not ((foreach is None and _has_foreach_support(device_grads, device))

@@ -104,7 +104,8 @@ def _reduced_locally(source: Any, result: Any) -> bool:
     """Whether ``result`` is the spec a full reduction of a tensor on ``source`` has when
     computed on its local tensor: the same mesh, partial where ``source`` is sharded,
     replicated where it is replicated."""
-    if result.mesh is not source.mesh or len(result.placements) != len(source.placements):
+    if (result.mesh is not source.mesh and result.mesh != source.mesh) or len(
+            result.placements) != len(source.placements):
         return False
     return all((p.is_shard() and q.is_partial()) or (p.is_replicate() and q.is_replicate())
                for p, q in zip(source.placements, result.placements, strict=True))
