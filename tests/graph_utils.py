@@ -160,3 +160,20 @@ class TwoBlock(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def sharded_with_grads(build, mesh=None, scale: float = 1.0) -> nn.Module:
+    """``build()``'s model from seed 0, sharded over ``mesh``, with the same gradients at
+    every call (seeded, times ``scale``), each on its parameter's placements."""
+    from torch.distributed.tensor import DTensor
+
+    import graphshard
+
+    torch.manual_seed(0)
+    model = graphshard.shard(build(), mesh)
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen) * scale
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())
+    return model

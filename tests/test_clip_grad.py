@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from graph_utils import sharded_with_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -29,18 +30,6 @@ def local_path(monkeypatch):
 
     monkeypatch.setattr(clip_grad, "_local_layout", spying)
     return seen
-
-
-def _sharded_with_grads(build, mesh=None, scale: float = 1.0) -> torch.nn.Module:
-    """``build()``'s model from seed 0, sharded, with the same gradients every time."""
-    torch.manual_seed(0)
-    model = graphshard.shard(build(), mesh)
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        local = torch.randn(p.to_local().shape, generator=gen) * scale
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                    stride=p.stride())
-    return model
 
 
 def _same(mine: torch.nn.Module, total: torch.Tensor, theirs: torch.nn.Module,
@@ -69,7 +58,7 @@ def test_the_local_path_gives_torchs_clip_bit_for_bit(fake2, local_path, build, 
                                                       norm_type):
     """Twice in a row (the placements asked of DTensor once), against torch's call on the
     same gradients, with graphshard's norms and through DTensor's own dispatch."""
-    mine, theirs, pure = (_sharded_with_grads(build) for _ in range(3))
+    mine, theirs, pure = (sharded_with_grads(build) for _ in range(3))
     for _ in range(2):
         total = graphshard.clip_grad_norm_(mine.parameters(), max_norm, norm_type)
         expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type)
@@ -82,7 +71,7 @@ def test_the_local_path_gives_torchs_clip_bit_for_bit(fake2, local_path, build, 
 
 def test_hsdp_gradients_take_the_local_path(fake2, local_path):
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-    mine, theirs = _sharded_with_grads(OddMLP, mesh), _sharded_with_grads(OddMLP, mesh)
+    mine, theirs = sharded_with_grads(OddMLP, mesh), sharded_with_grads(OddMLP, mesh)
     total = graphshard.clip_grad_norm_(mine.parameters(), 0.5)
     expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
     _same(mine, total, theirs, expected)
@@ -101,11 +90,11 @@ def test_what_the_local_path_does_not_serve_is_torchs_own_call(fake2, local_path
     _same(plain, graphshard.clip_grad_norm_(plain.parameters(), 0.5),
           plain_ref, torch.nn.utils.clip_grad_norm_(plain_ref.parameters(), 0.5))
 
-    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    mine, theirs = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     _same(mine, graphshard.clip_grad_norm_(mine.parameters(), 0.5, foreach=False),
           theirs, torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, foreach=False))
 
-    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    mine, theirs = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     for model in (mine, theirs):
         first = next(model.parameters())
         first.grad = first.grad.redistribute(first.device_mesh, [Replicate()])
@@ -115,7 +104,7 @@ def test_what_the_local_path_does_not_serve_is_torchs_own_call(fake2, local_path
 
 
 def test_a_non_finite_norm_raises_when_asked_and_scales_like_torch_otherwise(fake2, local_path):
-    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    mine, theirs = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     for model in (mine, theirs):
         next(model.parameters()).grad.to_local()[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="not finite.*error_if_nonfinite=False"):
@@ -130,7 +119,7 @@ def test_a_non_finite_norm_raises_when_asked_and_scales_like_torch_otherwise(fak
 def test_parameters_without_gradients_and_a_single_tensor(fake2, local_path):
     """Frozen parameters (no ``.grad``) are left out, as torch leaves them; one tensor is
     taken as a list of one."""
-    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    mine, theirs = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     for model in (mine, theirs):
         next(model.parameters()).grad = None
     _same(mine, graphshard.clip_grad_norm_(mine.parameters(), 0.5),
@@ -149,7 +138,7 @@ def test_gradients_on_equal_meshes_of_different_objects_take_the_local_path(fake
     give an op's output the mesh of an earlier equal call) is on the same mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    mine, theirs = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    mine, theirs = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     for model in (mine, theirs):
         last = list(model.parameters())[-1]
         twin = DeviceMesh.from_group(last.device_mesh.get_group(), "cpu")

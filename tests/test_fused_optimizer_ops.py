@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_utils import sharded_with_grads
 from torch.distributed.tensor import DTensor, Replicate
 
 import graphshard
@@ -40,18 +41,6 @@ def spy(monkeypatch):
     return seen
 
 
-def _sharded_with_grads(build) -> torch.nn.Module:
-    """``build()``'s model from seed 0, sharded, with the same gradients every time."""
-    torch.manual_seed(0)
-    model = graphshard.shard(build())
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        local = torch.randn(p.to_local().shape, generator=gen)
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                    stride=p.stride())
-    return model
-
-
 def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = []
     for state in optimizer.state.values():
@@ -73,7 +62,7 @@ def test_a_fused_step_on_shards_runs_locally_with_the_exact_result(fake2, spy, n
     """Three steps on the shards (uneven ones in the odd MLP) equal, bit for bit, the same
     optimizer on plain copies of the local tensors and, where DTensor can run the op,
     DTensor's own dispatch; parameters keep their placements."""
-    model = _sharded_with_grads(build)  # shard() installs the local path
+    model = sharded_with_grads(build)  # shard() installs the local path
     plain = [torch.nn.Parameter(p.to_local().clone()) for p in model.parameters()]
     for copy, p in zip(plain, model.parameters(), strict=True):
         copy.grad = p.grad.to_local().clone()
@@ -87,7 +76,7 @@ def test_a_fused_step_on_shards_runs_locally_with_the_exact_result(fake2, spy, n
     assert all(torch.equal(a, b) for a, b in zip(_states(ours), _states(on_plain), strict=True))
     if name not in DTENSOR_RUNS:
         return
-    reference = _sharded_with_grads(build)
+    reference = sharded_with_grads(build)
     theirs = OPTIMIZERS[name](reference.parameters())
     with fused_optimizer_ops.dtensor_dispatch():
         for _ in range(3):
@@ -102,7 +91,7 @@ def test_a_fused_step_on_shards_runs_locally_with_the_exact_result(fake2, spy, n
 def test_a_call_with_other_placements_goes_through_dtensor(fake2, spy):
     """Gradients replicated beside sharded parameters: DTensor redistributes them, so the
     call is not elementwise on the local tensors and takes DTensor's path, with its result."""
-    model, reference = _sharded_with_grads(OddMLP), _sharded_with_grads(OddMLP)
+    model, reference = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
     for p in [*model.parameters(), *reference.parameters()]:
         p.grad = p.grad.redistribute(p.device_mesh, [Replicate()])
     torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
@@ -121,7 +110,7 @@ def test_dtensor_parameters_not_made_by_shard_keep_dtensors_dispatch(fake2, spy)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    _sharded_with_grads(OddMLP)  # installs the local path
+    sharded_with_grads(OddMLP)  # installs the local path
     mesh = init_device_mesh("cpu", (2,))
     theirs = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
     theirs.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
@@ -167,7 +156,7 @@ def test_an_ordinary_step_is_checked_without_the_per_tensor_loop(fake2, spy, mon
     """The step every training loop makes (lists of DTensors on their parameters' specs, the
     step counts as 0-dim tensors) is served by the check that works list by list; the spec
     lists it has compared are remembered, so the next step compares none."""
-    model = _sharded_with_grads(OddMLP)
+    model = sharded_with_grads(OddMLP)
 
     def per_tensor(lists):
         raise AssertionError("the ordinary step reached the per-tensor check")
@@ -189,7 +178,7 @@ def test_an_ordinary_step_is_checked_without_the_per_tensor_loop(fake2, spy, mon
 def test_a_step_on_a_list_of_another_spec_is_not_served_from_memory(fake2, spy):
     """A moment whose spec no longer agrees with its parameter's (replicated here) sends the
     step to DTensor's dispatch even after steps that ran locally with the same lists."""
-    model = _sharded_with_grads(OddMLP)
+    model = sharded_with_grads(OddMLP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     optimizer.step()
     state = optimizer.state[next(iter(model.parameters()))]
@@ -214,7 +203,7 @@ def test_the_remembered_spec_lists_go_with_their_model(fake2):
     dropped when the sharded model is garbage."""
     import gc
 
-    model = _sharded_with_grads(OddMLP)
+    model = sharded_with_grads(OddMLP)
     torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
     assert fused_optimizer_ops._AGREED
     del model

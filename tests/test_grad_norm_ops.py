@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_utils import sharded_with_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import graphshard
 from graphshard.api import grad_norm_ops
 from graphshard.models.llama import Llama, llama_config
 from graphshard.models.mlp import OddMLP
@@ -28,19 +28,6 @@ def served(monkeypatch):
     return seen
 
 
-def _sharded_with_grads(build, mesh=None) -> torch.nn.Module:
-    """``build()``'s model from seed 0, sharded, with the same gradients every time (on the
-    parameters' own specs, as graphshard's backward sets them)."""
-    torch.manual_seed(0)
-    model = graphshard.shard(build(), mesh)
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        local = torch.randn(p.to_local().shape, generator=gen)
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                    stride=p.stride())
-    return model
-
-
 def _clip(model: torch.nn.Module, norm_type: float) -> tuple[torch.Tensor, list]:
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=norm_type)
     return total, [p.grad for p in model.parameters()]
@@ -55,7 +42,7 @@ def test_a_clip_of_sharded_gradients_takes_the_local_norms_with_dtensors_result(
     bit for bit, the total norm and gradients of the same clips through DTensor's dispatch,
     and the norms carry DTensor's placements; from the second clip on, the norms are served
     locally."""
-    model, reference = _sharded_with_grads(build), _sharded_with_grads(build)
+    model, reference = sharded_with_grads(build), sharded_with_grads(build)
     count = len(list(model.parameters()))
     for step in range(3):
         total, grads = _clip(model, norm_type)
@@ -80,7 +67,7 @@ def test_hsdp_gradients_are_served_with_their_replicated_dimension(fake2, served
     """On a 2-D (replicate, shard) mesh the norms are replicated on the first dimension and
     partial on the second, as DTensor makes them."""
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-    model, reference = _sharded_with_grads(OddMLP, mesh), _sharded_with_grads(OddMLP, mesh)
+    model, reference = sharded_with_grads(OddMLP, mesh), sharded_with_grads(OddMLP, mesh)
     for _ in range(2):
         total, _ = _clip(model, 2.0)
         with grad_norm_ops.dtensor_dispatch():
@@ -94,13 +81,13 @@ def test_other_dtensors_and_partial_ones_keep_dtensors_dispatch(fake2, served):
     """DTensors on a mesh no sharded model uses (another library's, as FSDP2 makes them) and
     a partial gradient are never served locally, however often they are clipped; their
     result is DTensor's."""
-    _sharded_with_grads(OddMLP)  # installs the handler
+    sharded_with_grads(OddMLP)  # installs the handler
     mesh = init_device_mesh("cpu", (2,))
     theirs = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
     theirs.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
     for _ in range(2):
         torch.nn.utils.clip_grad_norm_([theirs], 1.0)
-    model = _sharded_with_grads(OddMLP)
+    model = sharded_with_grads(OddMLP)
     first = next(model.parameters())  # a partial sum on a sharded model's mesh
     partial = DTensor.from_local(torch.randn(first.shape), first.device_mesh, [Partial()])
     for _ in range(2):
@@ -116,7 +103,7 @@ def test_a_gradient_on_a_new_spec_is_checked_again(fake2, served):
     """A gradient replaced by one on another spec (replicated here) makes a list of specs
     not seen before: DTensor's dispatch answers it first, then the local path serves it with
     the replicated norm DTensor gives."""
-    model = _sharded_with_grads(OddMLP)
+    model = sharded_with_grads(OddMLP)
     _clip(model, 2.0)
     first = next(model.parameters())
     first.grad = first.grad.redistribute(first.device_mesh, [Replicate()])

@@ -53,7 +53,6 @@ _spec_of = attrgetter("_spec")
 _local_of = attrgetter("_local_tensor")
 
 _lock = threading.Lock()
-_installed = False
 # id of a mesh of graphshard's parameters -> how many live sharded models use it
 _MESHES: Counter[int] = Counter()
 # (the list's spec ids, the other arguments) -> (the list's specs, which keep the ids valid;
@@ -65,18 +64,13 @@ _KNOWN_MAX = 256
 def run_grad_norm_ops_locally(root: torch.nn.Module, meshes: Iterable[Any]) -> None:
     """From now on, this process takes ``_foreach_norm`` of DTensors on ``meshes`` (those of
     ``root``'s sharded parameters, until ``root`` is garbage) on their local tensors wherever
-    that gives DTensor's own result (module docstring). The handler is registered once; it
-    stands aside where the op already has one."""
-    global _installed
+    that gives DTensor's own result (module docstring). The handler stands aside where the op
+    already has another."""
     ids = {id(mesh) for mesh in meshes}
     with _lock:
         _MESHES.update(ids)
         weakref.finalize(root, _forget, ids)
-        if _installed:
-            return
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        handlers.setdefault(_NORMS, _norms)
-        _installed = True
+    DTensor._op_dispatcher._custom_op_handlers.setdefault(_NORMS, _norms)
 
 
 def dtensor_dispatch() -> contextlib.AbstractContextManager[None]:
