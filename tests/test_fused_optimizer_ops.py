@@ -187,6 +187,32 @@ def test_a_step_on_a_list_of_another_spec_is_not_served_from_memory(fake2, spy):
     assert fused_optimizer_ops._localized(*_fused_call(optimizer)) is None
 
 
+def test_a_moment_on_an_equal_mesh_of_another_object_steps_locally(fake2, spy):
+    """A moment whose mesh is an equal but distinct object (DTensor's sharding cache can give
+    an op's output the mesh of an earlier equal call) is on the parameter's mesh: the step
+    stays local, and equals DTensor's own."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    models = sharded_with_grads(OddMLP), sharded_with_grads(OddMLP)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in models]
+    for model, optimizer in zip(models, optimizers, strict=True):
+        optimizer.step()
+        last = list(model.parameters())[-1]
+        twin = DeviceMesh.from_group(last.device_mesh.get_group(), "cpu")
+        assert twin == last.device_mesh and twin is not last.device_mesh
+        moment = optimizer.state[last]["exp_avg"]
+        optimizer.state[last]["exp_avg"] = DTensor.from_local(
+            moment.to_local(), twin, moment.placements, shape=moment.shape,
+            stride=moment.stride())
+    optimizers[0].step()
+    assert spy == {"local": 3, "dtensor": 0}  # both first steps, and this one
+    with fused_optimizer_ops.dtensor_dispatch():
+        optimizers[1].step()
+    for mine, ref in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(mine.to_local(), ref.to_local())
+    assert all(torch.equal(a, b) for a, b in zip(*map(_states, optimizers), strict=True))
+
+
 def _fused_call(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
     """The arguments AdamW's fused step passes ``_fused_adamw_`` for ``optimizer``'s group."""
     group = optimizer.param_groups[0]

@@ -63,27 +63,28 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    norm_placements = (None if torch.compiler.is_compiling()  # traced: torch's code as it is
-                       else _local_layout(grads, float(norm_type), foreach))
-    if norm_placements is None:  # an emptied generator stays one: torch warns about it
+    layout = (None if torch.compiler.is_compiling()  # traced: torch's code as it is
+              else _local_layout(grads, float(norm_type), foreach))
+    if layout is None:  # an emptied generator stays one: torch warns about it
         return torch.nn.utils.clip_grad_norm_(params or parameters, max_norm, norm_type,
                                               error_if_nonfinite, foreach)
+    norm_placements, groups = layout
     with torch.no_grad():  # as torch's: the gradients are scaled in place, untracked
-        return _clip_locally(grads, float(max_norm), float(norm_type), norm_placements,
-                             error_if_nonfinite)
+        return _clip_locally(grads[0], groups, float(max_norm), float(norm_type),
+                             norm_placements, error_if_nonfinite)
 
 
-def _clip_locally(grads: list[DTensor], max_norm: float, norm_type: float,
-                  norm_placements: tuple, error_if_nonfinite: bool) -> torch.Tensor:
-    """torch's steps on the local tensors of ``grads`` (module docstring)."""
-    locals_ = [g._local_tensor for g in grads]
-    groups = _group_tensors_by_device_and_dtype([locals_])  # torch's grouping and order
+def _clip_locally(first: DTensor, groups: list[tuple[torch.device, list[torch.Tensor]]],
+                  max_norm: float, norm_type: float, norm_placements: tuple,
+                  error_if_nonfinite: bool) -> torch.Tensor:
+    """torch's steps on the local gradients ``groups`` (by device and dtype, in torch's
+    order), whose first gradient is ``first`` (module docstring)."""
     norms: list[torch.Tensor] = []
-    for [device_locals], _ in groups.values():
+    for _, device_locals in groups:
         norms.extend(torch._foreach_norm(device_locals, norm_type))
-    first_device = locals_[0].device
+    first_device = first.device
     stacked = torch.stack([norm.to(first_device) for norm in norms])
-    mesh = grads[0]._spec.mesh
+    mesh = first._spec.mesh
     partial = DTensor.from_local(stacked, mesh, norm_placements, run_check=False,
                                  shape=stacked.shape, stride=stacked.stride())
     total = torch.linalg.vector_norm(partial, norm_type)
@@ -92,14 +93,16 @@ def _clip_locally(grads: list[DTensor], max_norm: float, norm_type: float,
             f"The total norm of order {norm_type} of the gradients is not finite, so they "
             "cannot be clipped. Pass error_if_nonfinite=False to scale them by it anyway.")
     coef = torch.clamp(max_norm / (total.to_local() + 1e-6), max=1.0)
-    for (device, _), ([device_locals], _) in groups.items():
+    for device, device_locals in groups:
         torch._foreach_mul_(device_locals, coef.to(device))
     return total
 
 
-def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None) -> tuple | None:
-    """The placements of the stacked norms of ``grads`` where the local path gives torch's
-    answer (module docstring); None where it may not."""
+def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None,
+                  ) -> tuple[tuple, list[tuple[torch.device, list[torch.Tensor]]]] | None:
+    """Where the local path gives torch's answer (module docstring): the placements of the
+    stacked norms of ``grads``, and their local tensors grouped by device and dtype as torch
+    groups them. None where it may not."""
     if not grads or foreach is False or not all(type(g) is DTensor for g in grads):
         return None
     spec = grads[0]._spec
@@ -110,10 +113,12 @@ def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None) -> t
             (g._spec.mesh is mesh or g._spec.mesh == mesh) and g._spec.placements == placements
             for g in grads):
         return None
+    groups = []
     for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():
         if not ((foreach is None and _has_foreach_support(device_grads, device))
                 or (foreach and _device_has_foreach_support(device))):
             return None  # torch would take the norms one by one
+        groups.append((device, [g._local_tensor for g in device_grads]))
     key = (id(mesh), placements, norm_type)
     known = _NORM_PLACEMENTS.get(key)
     if known is None:
@@ -123,4 +128,4 @@ def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None) -> t
         if len(_NORM_PLACEMENTS) >= _NORM_PLACEMENTS_MAX:
             _NORM_PLACEMENTS.clear()
         known = _NORM_PLACEMENTS[key] = (mesh, tuple(stacked.placements))
-    return known[1]
+    return known[1], groups

@@ -211,10 +211,16 @@ def _uniform_value(arg: Any, specs: list, param_ids: tuple[int, ...]) -> Any:
 
 def _specs_agree(spec: Any, param_spec: Any) -> bool:
     """Whether a DTensor on ``spec`` is updated elementwise in step with a parameter on
-    ``param_spec``: the same mesh, placements and global shape."""
-    return spec is param_spec or (
-        spec.mesh is param_spec.mesh and spec.placements == param_spec.placements
-        and spec.tensor_meta.shape == param_spec.tensor_meta.shape)
+    ``param_spec``: the same mesh, placements and global shape. Equal meshes count as the
+    same: DTensor's sharding cache can give an op's output (an optimizer state made by
+    ``zeros_like``, say) the mesh object of an earlier equal call, and each rank's pieces
+    are the same slices on either."""
+    if spec is param_spec:
+        return True
+    mesh, param_mesh = spec.mesh, param_spec.mesh
+    return ((mesh is param_mesh or mesh == param_mesh)
+            and spec.placements == param_spec.placements
+            and spec.tensor_meta.shape == param_spec.tensor_meta.shape)
 
 
 def _remember(ids: tuple[int, ...], param_ids: tuple[int, ...], specs: list,
