@@ -7,6 +7,7 @@ import torch
 from graph_utils import c10d, calls, fake_process_group
 
 import graphshard
+from graphshard.api.sharding import shard_state
 from graphshard.models.llama import Llama, llama_config
 from graphshard.passes.bucketing import auto_boundaries, pack_by_size
 from graphshard.passes.markers import is_unshard, marker_args
@@ -57,9 +58,39 @@ def llama():
     return Llama(llama_config("tiny", tie_embeddings=False))
 
 
-def test_block_default_puts_embedding_norm_output_in_one_root_bucket(world2):
-    buckets = joint_buckets(graphshard.shard(llama()))
-    assert buckets["tok_embeddings.weight"] == buckets["output.weight"] == buckets["norm.weight"]
+def test_block_default_gathers_the_embedding_apart_from_norm_and_output(world2):
+    """The default buckets: the embedding (registered before the blocks) in one, the final
+    norm and output head (after them) in another, each block in its own."""
+    model = graphshard.shard(llama())
+    assert shard_state(model).bucket_names == [
+        "<before blocks>", "layers.0", "layers.1", "<after blocks>"]
+    buckets = joint_buckets(model)
+    assert buckets["tok_embeddings.weight"] != buckets["output.weight"] == buckets["norm.weight"]
+    assert buckets["layers.0.attention.wq.weight"] not in (
+        buckets["tok_embeddings.weight"], buckets["output.weight"])
+
+
+def test_a_tied_embedding_stays_with_the_embedding(world2):
+    """Tied input and output embeddings are one parameter, first registered (and first
+    read) as the embedding: it is gathered with it, the norm after the blocks alone."""
+    model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=True)))
+    state = shard_state(model)
+    bucket = {name: entry.bucket for entry in state.params for name in entry.names}
+    assert bucket["tok_embeddings.weight"] == bucket["output.weight"] == 0
+    assert state.bucket_names[bucket["norm.weight"]] == "<after blocks>"
+
+
+def test_the_rest_on_one_side_of_the_blocks_stays_one_bucket(world2):
+    """A model whose other parameters all come after its blocks (or whose buckets the user
+    names) keeps one last bucket for them."""
+    head_only = torch.nn.Module()
+    head_only.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+    head_only.head = torch.nn.Linear(8, 2)
+    assert shard_state(graphshard.shard(head_only)).bucket_names == [
+        "blocks.0", "blocks.1", "<rest>"]
+    model = llama()
+    named = graphshard.shard(model, buckets=list(model.layers))
+    assert shard_state(named).bucket_names == ["layers.0", "layers.1", "<rest>"]
 
 
 def test_auto_separates_embedding_from_norm_and_output(world2):

@@ -210,7 +210,38 @@ def _assign_buckets(
     bucket_names.append("<rest>")
     for p in module.parameters():
         bucket_of.setdefault(id(p), rest)
+    if first_wins:
+        bucket_of, bucket_names = _split_rest_around_blocks(module, bucket_of, bucket_names)
     return _split_by_dtype(module, bucket_of, bucket_names)
+
+
+def _split_rest_around_blocks(
+    module: nn.Module, bucket_of: dict[int, int], names: list[str]
+) -> tuple[dict[int, int], list[str]]:
+    """The default buckets: the parameters outside the blocks in two buckets, those
+    registered before the first block's (an embedding) and those after (a final norm, an
+    output head), as torchtitan shards its Llama (the embedding, each block, norm and output
+    as their own units). One bucket for both, first read at the start of the forward,
+    gathers the head's weights before any compute can hide them, and its reduce-scatter
+    waits for the embedding's gradient, the last of the backward, so the head's gradient
+    is sent exposed at the end. Apart, the head's gather runs under the blocks' forward and
+    its reduce-scatter under their backward. Registration order stands in for the order of
+    use, which ``shard()`` cannot see: where it misleads, each bucket is still gathered at
+    its first read. Unchanged when the rest lies on one side only."""
+    rest = len(names) - 1
+    before, after, seen_block = [], [], False
+    for p in module.parameters():
+        if bucket_of[id(p)] != rest:
+            seen_block = True
+        else:
+            (after if seen_block else before).append(id(p))
+    if not before or not after or not seen_block:
+        return bucket_of, names
+    shift = {index: index + 1 for index in range(rest)}  # the blocks follow the first bucket
+    out = {key: shift.get(index, index) for key, index in bucket_of.items()}
+    out.update(dict.fromkeys(before, 0))
+    out.update(dict.fromkeys(after, rest + 1))
+    return out, ["<before blocks>", *names[:-1], "<after blocks>"]
 
 
 def _split_by_dtype(
@@ -372,8 +403,10 @@ def shard(
             the data-parallel sub-mesh of the same mesh: ``mesh["dp"]``, or
             ``mesh["replicate", "shard"]`` for HSDP x TP; each TP piece is then sharded
             across it (:mod:`graphshard.api.tensor_parallel`).
-        buckets: None for one bucket per block of the model's main ModuleList/Sequential plus
-            one for the rest; or a list of module groups (a module or a list of modules, which
+        buckets: None for one bucket per block of the model's main ModuleList/Sequential,
+            and for the other parameters one bucket of those registered before the blocks
+            (an embedding) and one of those after them (a final norm, an output head); or a
+            list of module groups (a module or a list of modules, which
             need not be neighbours), each gathered as one bucket; what no group holds goes to
             a last bucket.
         reshard_after_forward: free unsharded parameters after forward and gather them again
