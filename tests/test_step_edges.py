@@ -37,10 +37,11 @@ from graphshard.passes.step_prefetch import leading_gathers
 RS = c10d.reduce_scatter_tensor.default
 
 
-def _stages(model, tokens, **options):
+def _stages(model, tokens, buckets=None, **options):
     torch._dynamo.reset()
     backend = graphshard.backend(inductor=False, **options)
-    torch.compile(graphshard.shard(model), backend=backend)(tokens).loss.backward()
+    sharded = graphshard.shard(model, buckets=buckets)
+    torch.compile(sharded, backend=backend)(tokens).loss.backward()
     (stages,) = backend.graphs
     return stages, backend
 
@@ -87,9 +88,9 @@ def test_a_gather_the_step_cannot_rebuild_is_left_alone():
                          gather_from_storage=False)
     fw = off["fw"]
     first, second = leading_gathers(fw.graph)
-    shard = next(n for n in first.args[0].all_input_nodes if n.op != "placeholder")
+    shard = first.args[0]  # down to the node that reads the shard (the first piece's)
     while shard.all_input_nodes[0].op != "placeholder":
-        shard = shard.all_input_nodes[0]
+        shard = next(n for n in shard.all_input_nodes if n.op != "placeholder")
     with fw.graph.inserting_before(shard):
         copy = NodeMaker(fw.graph)(torch.ops.aten._to_copy.default, shard.args[0])
     shard.replace_input_with(shard.args[0], copy)
@@ -110,12 +111,15 @@ def test_bound_gathers_are_priced_and_counted_as_all_gathers():
 
 
 def test_the_root_buckets_early_gradients_are_reduced_first():
-    """llama-small, block buckets: the root bucket holds the output layer (gradient ready
-    first) and the embedding (ready last); its reduction splits, the rest does not."""
+    """llama-small, the blocks named as buckets: the last bucket holds the output layer
+    (gradient ready first) and the embedding (ready last); its reduction splits, the rest
+    does not."""
     with fake_process_group(2):
         tokens = torch.randint(0, 2048, (4, 128))
-        on, backend_on = _stages(_llama("llama-small"), tokens)
-        off, backend_off = _stages(_llama("llama-small"), tokens, split_last_reduce=False)
+        models = _llama("llama-small"), _llama("llama-small")
+        on, backend_on = _stages(models[0], tokens, buckets=list(models[0].layers))
+        off, backend_off = _stages(models[1], tokens, buckets=list(models[1].layers),
+                                   split_last_reduce=False)
     params = [n.meta["graphshard"]["params"] for n in calls(on["bw"], RS)]
     assert [n.meta["graphshard"]["params"] for n in calls(off["bw"], RS)][-1] == [
         "output.weight", "norm.weight", "tok_embeddings.weight"]

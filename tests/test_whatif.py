@@ -23,8 +23,8 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
     model = Llama(cfg)
     psi = sum(p.numel() for p in model.parameters())
     # Every dim 0 of tiny divides 2 and 4 (no padding). The backward gathers everything again
-    # but the bucket read last in forward, kept for the backward that starts with it: the
-    # root bucket of embedding, final norm and output.
+    # but the bucket read last in forward, kept for the backward that starts with it (the
+    # final norm and output), and the embedding, whose gradient needs no weights.
     root = [model.tok_embeddings, model.norm, model.output]
     psi_bw = psi - sum(p.numel() for m in root for p in m.parameters())
     for row in rows:
@@ -39,7 +39,7 @@ def test_plan_bytes_and_state_match_the_formula(tmp_path, capsys):
         assert row["sharded_params"] == psi * 4 // n
         assert row["memory_total"] >= 4 * row["sharded_params"]
         assert row["predicted_step_s"] >= row["bound_s"] > 0
-        assert row["buckets"] == cfg.n_layers + 1
+        assert row["buckets"] == cfg.n_layers + 2  # the blocks, the embedding, the head
         # tiny at N = 2, 4 pads nothing, and every cut is made: graphshard's own kernels move
         # what the floor asks, which is at least each shard read and the buffer written once
         # per gather, and each gradient read and the reduce buffer written once
