@@ -3,6 +3,9 @@ group, ways to read transformed graphs, and the small models they shard."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import fx, nn
 
@@ -177,3 +180,18 @@ def sharded_with_grads(build, mesh=None, scale: float = 1.0) -> nn.Module:
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
                                     stride=p.stride())
     return model
+
+
+@contextlib.contextmanager
+def in_fake_world(size: int, rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of ``bench.fake_world``: collectives that move real data, in this
+    process (every other rank imagined to hold what this one holds); afterwards Dynamo is
+    reset and the world shut down."""
+    from bench.fake_world import init_fake_world, shutdown_fake_world
+
+    init_fake_world(size, rank)
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        shutdown_fake_world()

@@ -6,17 +6,16 @@ state-dict idioms DTensor breaks on at a nonzero storage offset."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
+from graph_utils import in_fake_world
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import graphshard
-from bench.fake_world import init_fake_world, shutdown_fake_world
 from graphshard.api.sharding import shard_state
 from graphshard.models.llama import Llama, llama_config
 from graphshard.passes.fx_util import aten, c10d
@@ -26,21 +25,9 @@ from graphshard.passes.traffic import step_traffic
 CFG = llama_config("tiny")
 
 
-@contextlib.contextmanager
-def _fake_world(size: int, rank: int = 0):
-    """Rank ``rank`` of ``bench.fake_world``: collectives that move real data, in this
-    process (every other rank imagined to hold what this one holds)."""
-    init_fake_world(size, rank)
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        shutdown_fake_world()
-
-
 @pytest.fixture
 def world2():
-    with _fake_world(2):
+    with in_fake_world(2):
         yield
 
 
@@ -101,7 +88,7 @@ def test_shard_lays_each_bucket_out_in_one_zero_padded_buffer(world_rank):
     """Every bucket's shards are views of one buffer, piece after piece, with the rows the
     rank holds and zeros in the padding; the values are the rank's rows of the model."""
     world, rank = world_rank
-    with _fake_world(world, rank):
+    with in_fake_world(world, rank):
         model = _model()
         full = {name: p.detach().clone() for name, p in model.named_parameters()}
         graphshard.shard(model)
@@ -182,7 +169,7 @@ def test_training_from_the_storage_matches_the_copied_in_path(world_rank):
     the same losses and parameters (the gathered values are the same bytes), and the eager
     model's losses. On the last rank of 3 the gathers send each piece's padding as it lies
     in the storage."""
-    with _fake_world(*world_rank):
+    with in_fake_world(*world_rank):
         _compare_training()
 
 

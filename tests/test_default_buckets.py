@@ -7,14 +7,12 @@ the values against the same model with one bucket for both."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from graph_utils import in_fake_world
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 import graphshard
-from bench.fake_world import init_fake_world, shutdown_fake_world
 from graphshard.api.sharding import shard_state
 from graphshard.models.llama import Llama, llama_config
 from graphshard.passes.fx_util import aten, c10d
@@ -22,19 +20,9 @@ from graphshard.passes.fx_util import aten, c10d
 CFG = llama_config("tiny", vocab_size=1024, tie_embeddings=False)  # embedding, head: 256 KiB
 
 
-@contextlib.contextmanager
-def _fake_world(size: int):
-    init_fake_world(size, 0)
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        shutdown_fake_world()
-
-
 @pytest.fixture
 def world2():
-    with _fake_world(2):
+    with in_fake_world(2):
         yield
 
 
