@@ -235,10 +235,9 @@ def _split_rest_around_blocks(
             seen_block = True
         else:
             (after if seen_block else before).append(id(p))
-    if not before or not after or not seen_block:
+    if not before or not after:  # (nothing is "after" without a block before it)
         return bucket_of, names
-    shift = {index: index + 1 for index in range(rest)}  # the blocks follow the first bucket
-    out = {key: shift.get(index, index) for key, index in bucket_of.items()}
+    out = {key: index + 1 for key, index in bucket_of.items()}  # the blocks follow bucket 0
     out.update(dict.fromkeys(before, 0))
     out.update(dict.fromkeys(after, rest + 1))
     return out, ["<before blocks>", *names[:-1], "<after blocks>"]
