@@ -213,6 +213,29 @@ def test_a_moment_on_an_equal_mesh_of_another_object_steps_locally(fake2, spy):
     assert all(torch.equal(a, b) for a, b in zip(*map(_states, optimizers), strict=True))
 
 
+def test_zero_dim_dtensors_on_an_equal_mesh_of_another_object_step_locally(fake2, spy):
+    """A learning rate and a step count held as replicated 0-dim DTensors, one on the
+    parameters' mesh and one on an equal but distinct mesh object, are the same mesh's: the
+    call is served on the local tensors, with each 0-dim DTensor's local value."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    model = sharded_with_grads(OddMLP)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    optimizer.step()
+    mesh = next(iter(model.parameters())).device_mesh
+    twin = DeviceMesh.from_group(mesh.get_group(), "cpu")
+    assert twin == mesh and twin is not mesh
+    args, kwargs = _fused_call(optimizer)
+    kwargs["lr"] = DTensor.from_local(torch.tensor(1e-2), twin, [Replicate()])
+    kwargs["grad_scale"] = DTensor.from_local(torch.tensor(1.0), mesh, [Replicate()])
+    local = fused_optimizer_ops._localized(args, kwargs)
+    assert local is not None
+    local_args, local_kwargs = local
+    for key in ("lr", "grad_scale"):
+        assert local_kwargs[key] is kwargs[key]._local_tensor
+    assert all(type(t) is torch.Tensor for t in local_args[0])
+
+
 def _fused_call(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
     """The arguments AdamW's fused step passes ``_fused_adamw_`` for ``optimizer``'s group."""
     group = optimizer.param_groups[0]
