@@ -5,6 +5,7 @@ Pure functions of plain data (no process group), so they can be tested without r
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -190,6 +191,60 @@ def add_ratios(records: list[dict], reference: str = REFERENCE) -> None:
         record["graphshard_ratio"] = (
             round_ratios(ref["round_step_s"], record["round_step_s"]) if ok else None
         )
+
+
+# The first steps whose losses every system of a group must share (a wrong gradient or update
+# shows there within a few steps, before training's own chaos can amplify rounding), and how
+# far apart, relatively, they may be: rounding moved fp32 systems by at most 1e-5 relative
+# over 10 steps of llama-small; mixed precision casts at different places, so more.
+LOSS_CHECK_STEPS = 10
+LOSS_TOLERANCE = {"none": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
+
+
+def add_loss_checks(records: list[dict], one_process: frozenset[str],
+                    mixed_precision: str = "none") -> None:
+    """Note every system whose first losses depart from its group's reference: systems that
+    train the same model on the same batches must agree to rounding, so one that does not
+    computes other gradients or updates (a bug, here or in a peer), and its time is not of
+    the same training. The groups: the distributed systems (the global batch; reference
+    :data:`REFERENCE` where it ran, else the first that ran) and the one-process systems in
+    ``one_process`` (rank 0's batch; reference the first that ran)."""
+    tolerance = LOSS_TOLERANCE[mixed_precision]
+    groups: dict[bool, list[dict]] = {}
+    for record in records:
+        if record.get("loss_per_step"):
+            groups.setdefault(record["system"] in one_process, []).append(record)
+    for members in groups.values():
+        ref = next((r for r in members if r["system"] == REFERENCE), members[0])
+        for record in members:
+            if record is ref:
+                continue
+            worst = _loss_departure(ref["loss_per_step"], record["loss_per_step"])
+            if worst is None or worst[1] <= tolerance:
+                continue
+            step, rel, want, got = worst
+            note = (f"losses depart from {ref['system']}'s: step {step + 1} {got:.4f} against "
+                    f"{want:.4f} (relative {rel:.1e}, over {tolerance:.0e} allowed): other "
+                    "gradients or updates, so not the same training")
+            record["notes"] = "; ".join(filter(None, [record.get("notes"), note]))
+            record["loss_departure"] = {"reference": ref["system"], "step": step + 1,
+                                        "relative": rel}
+
+
+def _loss_departure(want: list[float], got: list[float]) -> tuple[int, float, float, float] | None:
+    """The first ``LOSS_CHECK_STEPS`` steps' largest relative difference: (step, relative,
+    want, got); None where no step has a finite loss. A loss that is finite in one list alone
+    counts as infinitely far."""
+    worst = None
+    steps = min(LOSS_CHECK_STEPS, len(want), len(got))
+    for step, (a, b) in enumerate(zip(want[:steps], got[:steps], strict=True)):
+        if not (math.isfinite(a) or math.isfinite(b)):
+            continue
+        finite = math.isfinite(a) and math.isfinite(b)
+        rel = abs(a - b) / max(abs(a), 1e-12) if finite else math.inf
+        if worst is None or rel > worst[1]:
+            worst = (step, rel, a, b)
+    return worst
 
 
 def machine_info(device: str) -> dict[str, Any]:

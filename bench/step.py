@@ -125,7 +125,14 @@ from bench.comm import count_collectives, count_logged, graphshard_summary, zero
 from bench.device_time import profile_device_steps
 from bench.host_tax import applies_to, median_split, profile_steps, sync_event
 from bench.memory import local_tensor, peak_allocated, state_bytes
-from bench.report import FIELDS, add_ratios, machine_info, summarize, to_markdown
+from bench.report import (
+    FIELDS,
+    add_loss_checks,
+    add_ratios,
+    machine_info,
+    summarize,
+    to_markdown,
+)
 from bench.systems import (
     ADAMW_IMPLEMENTATIONS,
     MIXED_PRECISION,
@@ -616,6 +623,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
                     _progress(records[-1])
         if rank == 0:
             add_ratios(records)
+            add_loss_checks(records, ONE_PROCESS_SYSTEMS, args.mixed_precision)
             Path(out_path).write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()

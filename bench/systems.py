@@ -523,12 +523,19 @@ def _single_compiled(ctx: BenchContext, group: None, regions: bool = False) -> S
         "final_loss is rank 0's loss, so it follows a different trajectory than the "
         "distributed systems' global-batch loss"
     ]
+    options = None
     if regions:  # on this system's own copy of the class (build_model's owner), once
         block = type(model.layers[0])
         if not hasattr(block.forward, "__marked_compile_region_fn__"):
             block.forward = torch.compiler.nested_compile_region(block.forward)
+        # Inductor (torch 2.13, 2.14.1) does not see that a region's saved input aliases its
+        # operand: it writes the residual sum into the operand's buffer, or puts a later
+        # value there, and the blocks got wrong weight gradients (docs/torch-versions.md).
+        # Without in-place or reused buffers the step is right, at the price of the
+        # allocations it no longer saves.
+        options = {"inplace_buffers": False, "allow_buffer_reuse": False}
     return System(
-        name, _compile(model), model, _adamw(model, ctx), False, notes=notes,
+        name, _compile(model, options), model, _adamw(model, ctx), False, notes=notes,
         autocast=ctx.param_dtype,
     )  # fmt: skip
 

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 
 from bench.comm import count_collectives
 from bench.fake_world import collective_seconds
-from bench.report import add_ratios, fake_world_lines, header
+from bench.report import add_loss_checks, add_ratios, fake_world_lines, header
 from bench.step import (
     FIELDS,
     _attempt,
@@ -521,6 +521,44 @@ def test_failed_system_has_null_numbers_and_the_error():
     assert record["graphshard_ratio"] is None
 
 
+def test_a_system_whose_first_losses_depart_from_its_groups_is_noted():
+    """Systems that train the same model on the same batches agree to rounding; one that
+    does not gets a note naming the step, and the groups (distributed, one process) and the
+    precision's tolerance are kept apart."""
+    base = [7.6643, 7.4164, 7.04, 6.712, 6.4065]
+
+    def rec(name, losses, notes=None):
+        return {"system": name, "loss_per_step": losses, "notes": notes}
+
+    rounded = [x * (1 + 1e-5) for x in base]
+    wrong = [7.6643, 7.3498, 7.0747, 6.7536, 6.4148]  # wrong block gradients from step 1 on
+    records = [rec("ddp-compiled", rounded), rec("graphshard-compiled", base),
+               rec("fsdp2-eager", wrong), rec("single-compiled", [x + 0.5 for x in base]),
+               rec("single-regions-compiled", [x + 0.5 for x in wrong], "kept"),
+               rec("simplefsdp-auto-bucketing", None, "failed")]
+    add_loss_checks(records, frozenset({"single-compiled", "single-regions-compiled"}))
+    notes = {r["system"]: r["notes"] for r in records}
+    assert notes["ddp-compiled"] is None and notes["graphshard-compiled"] is None
+    assert notes["single-compiled"] is None and notes["simplefsdp-auto-bucketing"] == "failed"
+    assert notes["fsdp2-eager"].startswith(
+        "losses depart from graphshard-compiled's: step 2 7.3498 against 7.4164")
+    assert notes["single-regions-compiled"].startswith("kept; losses depart from single-compiled's")
+    assert records[2]["loss_departure"]["step"] == 2
+
+    mixed = [rec("graphshard-compiled", base), rec("ddp-compiled", [x * 1.005 for x in base])]
+    add_loss_checks(mixed, frozenset(), "bf16")  # within mixed precision's rounding
+    assert mixed[1]["notes"] is None
+    add_loss_checks(mixed, frozenset())  # not within fp32's
+    assert "relative 5.0e-03" in mixed[1]["notes"]
+
+    diverged = [rec("graphshard-compiled", base), rec("ddp-compiled", [*base[:3], math.nan, 1.0]),
+                rec("fsdp2-eager", [math.nan] * 5), rec("fsdp2-compiled", [math.nan] * 5)]
+    add_loss_checks(diverged, frozenset())
+    assert "step 4 nan against 6.7120" in diverged[1]["notes"]
+    assert "step 1 nan" in diverged[2]["notes"]
+    assert diverged[3]["notes"].startswith("losses depart")  # compared with the reference only
+
+
 def test_steps_without_inline_collectives_are_taken_step_by_step():
     rank = {"times": [9.0, 1.0, 2.0, 3.0, 4.0], "rounds": [-1, 0, 0, 1, 1],
             "collective_times": [5.0, 0.5, 0.5, 1.0, 3.0], "notes": [], "losses": [1.0] * 5,
@@ -741,7 +779,8 @@ def test_optimizer_option_reaches_every_systems_adamw():
 def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
     """The regional-compilation floor: the unsharded model whose blocks are one
     ``nested_compile_region``. Dynamo's graph calls one body for every layer, and the compiled
-    step computes the plain model's loss."""
+    steps train as the plain model does: the same losses and, after two steps, the same
+    parameters (Inductor's in-place buffers gave the blocks wrong weight gradients)."""
     from bench.systems import ONE_PROCESS_SYSTEMS, build_system
     from bench.timing import train_step
 
@@ -765,8 +804,16 @@ def test_single_regions_compiled_compiles_one_block_body_for_every_layer():
 
     torch.manual_seed(ctx.seed)
     plain = Llama(cfg)
-    expected = plain(tokens).loss
-    assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=ctx.lr)
+    for _ in range(2):
+        expected = plain(tokens).loss
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.allclose(train_step(system, tokens), expected, rtol=1e-5, atol=1e-6)
+    for (name, mine), theirs in zip(system.module.named_parameters(), plain.parameters(),
+                                    strict=True):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6), name
 
 
 def _main_in_its_own_process(module: str, argv: list[str]) -> tuple[str, Any]:
