@@ -620,3 +620,34 @@ def test_blocks_called_with_keywords_get_them_inside_the_region(one_rank):
             assert want.grad is None and got.grad is None
         else:
             torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+
+
+def test_blocks_the_user_already_made_compile_regions_run_in_graphshards(one_rank):
+    """A block class whose ``forward`` the user marked ``nested_compile_region`` asks for
+    what graphshard's regions do: the blocks run as graphshard's regions (one body for all;
+    left marked, Dynamo failed on a region inside a region) and train exactly as unmarked
+    blocks do."""
+    from graphshard.models.llama import Block
+
+    class MarkedBlock(Block):
+        forward = torch.compiler.nested_compile_region(Block.forward)
+
+    def marked(**shard_options) -> Llama:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
+                                  max_seq_len=8))
+        model.init_weights(0)
+        for layer in model.layers:
+            layer.__class__ = MarkedBlock
+        return graphshard.shard(model, **shard_options)
+
+    stages = _graphs(marked())
+    calls_ = list(region_calls(stages["fw"]))
+    assert len(calls_) == 3 and len(_bodies(stages["fw"])) == 1
+    torch._dynamo.reset()
+    losses, params = _train(marked(), 2, inductor=False)
+    torch._dynamo.reset()
+    want_losses, want_params = _train(_llama(), 2, inductor=False)
+    assert losses == want_losses
+    for a, b in zip(params, want_params, strict=True):
+        assert torch.equal(a, b)

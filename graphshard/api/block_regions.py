@@ -383,6 +383,17 @@ def _region_class(cls: type) -> type:
     return region_class
 
 
+def _unmarked(forward: Any) -> Any:
+    """``forward`` without the user's own ``torch.compiler.nested_compile_region`` marks.
+
+    A block class whose ``forward`` the user already made a compile region asks for what
+    graphshard's region does (the block compiled once); left marked, it would be a region
+    inside graphshard's, which Dynamo cannot trace ("Freevar has no source")."""
+    while hasattr(forward, "__marked_compile_region_fn__"):
+        forward = forward.__marked_compile_region_fn__
+    return forward
+
+
 def _servable(block: nn.Module) -> bool:
     """Whether ``block`` can run as a region: a composite module (a lone layer gains
     nothing), without buffers (a region cannot update one in training, e.g. BatchNorm's
@@ -481,7 +492,7 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
             continue  # one block object at several depths: made a region once
         layout = _param_layout(block)
         if layout and _servable(block):
-            block.__dict__[_BLOCK_FORWARD] = type(block).forward
+            block.__dict__[_BLOCK_FORWARD] = _unmarked(type(block).forward)
             block.__class__ = _region_class(type(block))
             block.__dict__[_READS_ATTR] = _register_reads(state_index, layout)
             storages = block.__dict__[_STORAGES_ATTR] = {}
