@@ -201,19 +201,21 @@ LOSS_CHECK_STEPS = 10
 LOSS_TOLERANCE = {"none": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
 
 
-def add_loss_checks(records: list[dict], one_process: frozenset[str],
+def add_loss_checks(records: list[dict], alone: frozenset[str],
                     mixed_precision: str = "none") -> None:
     """Note every system whose first losses depart from its group's reference: systems that
     train the same model on the same batches must agree to rounding, so one that does not
     computes other gradients or updates (a bug, here or in a peer), and its time is not of
-    the same training. The groups: the distributed systems (the global batch; reference
-    :data:`REFERENCE` where it ran, else the first that ran) and the one-process systems in
-    ``one_process`` (rank 0's batch; reference the first that ran)."""
+    the same training. The groups: the systems in ``alone``, which train the whole model on
+    rank 0's batch (the one-process systems; in a fake world DDP too, whose all-reduce of
+    equal copies leaves rank 0's gradients; reference the first that ran), and the others
+    (the distributed systems: the global batch, or in a fake world the tiled weights;
+    reference :data:`REFERENCE` where it ran, else the first that ran)."""
     tolerance = LOSS_TOLERANCE[mixed_precision]
     groups: dict[bool, list[dict]] = {}
     for record in records:
         if record.get("loss_per_step"):
-            groups.setdefault(record["system"] in one_process, []).append(record)
+            groups.setdefault(record["system"] in alone, []).append(record)
     for members in groups.values():
         ref = next((r for r in members if r["system"] == REFERENCE), members[0])
         for record in members:

@@ -145,6 +145,7 @@ from bench.systems import (
     build_system,
     is_offload,
     is_system,
+    trains_alone,
 )
 from bench.timing import sync, train_step, wait_time
 from graphshard.models.data import SyntheticTokens
@@ -623,7 +624,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
                     _progress(records[-1])
         if rank == 0:
             add_ratios(records)
-            add_loss_checks(records, ONE_PROCESS_SYSTEMS, args.mixed_precision)
+            add_loss_checks(records, trains_alone(bool(args.fake_world)), args.mixed_precision)
             Path(out_path).write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()

@@ -91,6 +91,7 @@ __all__ = [
     "is_offload",
     "is_system",
     "private_llama_class",
+    "trains_alone",
     "variant_options",
 ]
 
@@ -119,6 +120,13 @@ OFFLOAD_SYSTEMS: tuple[str, ...] = (
 )
 # Systems that run in one process, on rank 0 alone (the other ranks have nothing to run).
 ONE_PROCESS_SYSTEMS = frozenset({"single-compiled", "single-regions-compiled"})
+
+
+def trains_alone(fake_world: bool) -> frozenset[str]:
+    """The systems that train the whole model on rank 0's batch: the one-process ones, and in
+    a fake world DDP too (its all-reduce of N equal copies leaves rank 0's gradients), where
+    the sharded systems train rank 0's shards tiled."""
+    return ONE_PROCESS_SYSTEMS | ({"ddp-compiled"} if fake_world else frozenset())
 
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
 _VARIANT = re.compile(r"graphshard-(?:offload-)?compiled\[(?P<options>.*)\]")

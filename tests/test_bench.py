@@ -127,6 +127,7 @@ def test_bench_two_ranks_report(two_ranks):
     ran = [s for s in systems.values() if s["step_s_median"] is not None]
     for s in ran:
         assert set(FIELDS) <= set(s), s["system"]
+        assert "losses depart" not in (s["notes"] or ""), s  # every system trains alike
         assert s["step_s_p10"] <= s["step_s_median"] <= s["step_s_p90"], s
         assert s["peak_mem_bytes"] > 0 and s["final_loss"] is not None, s
         assert len(s["round_step_s"]) == 2, s  # 3 steps, 1 warm-up, rounds of 1
@@ -284,6 +285,7 @@ def test_bf16_losses_of_every_system_stay_close(fake_world):
     assert report["config"]["mixed_precision"] == "bf16"
     assert "mixed precision bf16 (params and compute bf16, gradients reduced in fp32" in table
     systems = _fake_world_rows(report)
+    assert not any("losses depart" in (s["notes"] or "") for s in systems.values())
     for cluster in (FAKE_SHARDED, FAKE_FULL):
         rows = [systems[name] for name in cluster if name in systems]
         reference = rows[0]["loss_per_step"]
@@ -557,6 +559,29 @@ def test_a_system_whose_first_losses_depart_from_its_groups_is_noted():
     assert "step 4 nan against 6.7120" in diverged[1]["notes"]
     assert "step 1 nan" in diverged[2]["notes"]
     assert diverged[3]["notes"].startswith("losses depart")  # compared with the reference only
+
+
+def test_in_a_fake_world_ddp_is_checked_against_one_process_not_the_sharded_systems():
+    """A fake world's sharded systems train rank 0's shards tiled, while DDP trains the whole
+    model on rank 0's batch as one process does (first losses of a fake world of 2, fp32,
+    tiny): neither group is noted there, and in a real world DDP is a distributed system."""
+    from bench.systems import ONE_PROCESS_SYSTEMS, trains_alone
+
+    tiled = [5.55561, 5.53936, 5.477, 5.49478, 5.43874]
+    whole = [5.55179, 5.48683, 5.39098, 5.41089, 5.31107]
+
+    def records():
+        return [{"system": name, "loss_per_step": losses, "notes": None}
+                for name, losses in (("graphshard-compiled", tiled), ("fsdp2-eager", tiled),
+                                     ("ddp-compiled", whole), ("single-compiled", whole))]
+
+    fake = records()
+    add_loss_checks(fake, trains_alone(True))
+    assert [r["notes"] for r in fake] == [None] * 4
+    assert trains_alone(False) == ONE_PROCESS_SYSTEMS
+    real = records()
+    add_loss_checks(real, trains_alone(False))
+    assert real[2]["notes"].startswith("losses depart from graphshard-compiled's")
 
 
 def test_steps_without_inline_collectives_are_taken_step_by_step():
