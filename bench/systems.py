@@ -128,6 +128,7 @@ def trains_alone(fake_world: bool) -> frozenset[str]:
     the sharded systems train rank 0's shards tiled."""
     return ONE_PROCESS_SYSTEMS | ({"ddp-compiled"} if fake_world else frozenset())
 
+
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
 _VARIANT = re.compile(r"graphshard-(?:offload-)?compiled\[(?P<options>.*)\]")
 # The options a variant passes to ``graphshard.shard``; the rest go to ``graphshard.backend``.
