@@ -33,6 +33,7 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from graphshard.api.dtensor_handlers import same_mesh
 from graphshard.errors import GraphshardRuntimeError
 
 __all__ = ["clip_grad_norm_"]
@@ -107,11 +108,8 @@ def _local_layout(grads: list[Any], norm_type: float, foreach: bool | None,
         return None
     spec = grads[0]._spec
     mesh, placements = spec.mesh, spec.placements
-    # equal meshes, not only the same object: DTensor's sharding cache can hand an op's
-    # output the spec, and so the mesh object, of an earlier equal call
     if any(p.is_partial() for p in placements) or not all(
-            (g._spec.mesh is mesh or g._spec.mesh == mesh) and g._spec.placements == placements
-            for g in grads):
+            same_mesh(g._spec.mesh, mesh) and g._spec.placements == placements for g in grads):
         return None
     groups = []
     for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():

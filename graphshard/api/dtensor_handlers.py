@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["handlers_aside", "through_dtensor", "wrap_local"]
+__all__ = ["handlers_aside", "same_mesh", "through_dtensor", "wrap_local"]
+
+
+def same_mesh(mesh: Any, other: Any) -> bool:
+    """The same mesh, or an equal one (same ranks, dimensions and device type): each rank's
+    pieces are the same slices on either. Identity alone is not enough: DTensor's sharding
+    cache can give an op's output the spec, and so the mesh object, of an earlier equal
+    call."""
+    return mesh is other or mesh == other
 
 
 def through_dtensor(op: Any, args: tuple, kwargs: dict) -> Any:

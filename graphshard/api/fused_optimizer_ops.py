@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.dtensor_handlers import handlers_aside, through_dtensor
+from graphshard.api.dtensor_handlers import handlers_aside, same_mesh, through_dtensor
 
 __all__ = ["LOCAL_OPS", "dtensor_dispatch", "run_fused_optimizers_locally"]
 
@@ -137,7 +137,7 @@ def _localized(args: tuple, kwargs: dict) -> tuple[list, dict] | None:
         local_kwargs[key] = value
     firsts = _first_dtensors(lists)
     if firsts is None or any(
-            first is None or (mesh is not None and not _same_mesh(first._spec.mesh, mesh))
+            first is None or (mesh is not None and not same_mesh(first._spec.mesh, mesh))
             for first in firsts):
         return None  # a position without a DTensor, or a 0-dim DTensor on another mesh
     return local_args, local_kwargs
@@ -218,15 +218,9 @@ def _specs_agree(spec: Any, param_spec: Any) -> bool:
     are the same slices on either."""
     if spec is param_spec:
         return True
-    return (_same_mesh(spec.mesh, param_spec.mesh)
+    return (same_mesh(spec.mesh, param_spec.mesh)
             and spec.placements == param_spec.placements
             and spec.tensor_meta.shape == param_spec.tensor_meta.shape)
-
-
-def _same_mesh(mesh: Any, other: Any) -> bool:
-    """The same mesh, or an equal one (same ranks, dimensions and device type): each rank's
-    pieces are the same slices on either."""
-    return mesh is other or mesh == other
 
 
 def _remember(ids: tuple[int, ...], param_ids: tuple[int, ...], specs: list,
@@ -246,7 +240,7 @@ def _local_value(arg: Any, lists: list, mesh: Any) -> tuple[Any, Any]:
         spec = arg._spec
         if arg.dim() != 0 or not all(p.is_replicate() for p in spec.placements):
             return _REFUSED, mesh
-        if mesh is not None and not _same_mesh(spec.mesh, mesh):
+        if mesh is not None and not same_mesh(spec.mesh, mesh):
             return _REFUSED, mesh
         return arg._local_tensor, spec.mesh
     if isinstance(arg, torch.Tensor) and arg.dim() != 0:

@@ -42,7 +42,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.dtensor_handlers import handlers_aside, through_dtensor, wrap_local
+from graphshard.api.dtensor_handlers import (
+    handlers_aside,
+    same_mesh,
+    through_dtensor,
+    wrap_local,
+)
 
 __all__ = ["dtensor_dispatch", "run_grad_norm_ops_locally"]
 
@@ -98,8 +103,8 @@ def _reduced_locally(source: Any, result: Any) -> bool:
     """Whether ``result`` is the spec a full reduction of a tensor on ``source`` has when
     computed on its local tensor: the same mesh, partial where ``source`` is sharded,
     replicated where it is replicated."""
-    if (result.mesh is not source.mesh and result.mesh != source.mesh) or len(
-            result.placements) != len(source.placements):
+    if not same_mesh(result.mesh, source.mesh) or len(result.placements) != len(
+            source.placements):
         return False
     return all((p.is_shard() and q.is_partial()) or (p.is_replicate() and q.is_replicate())
                for p, q in zip(source.placements, result.placements, strict=True))
