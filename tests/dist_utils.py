@@ -12,7 +12,9 @@ import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -60,12 +62,81 @@ def in_launch_env(rank: int, env: dict[str, str], fn: Callable[..., Any], *args:
     return fn(rank, *args)
 
 
+def _logged_rank(rank: int, env: dict[str, str], log_dir: str, fn: Callable[..., Any],
+                 *args: Any) -> Any:
+    """:func:`in_launch_env` with the rank's stderr (native writers included: glibc, C++
+    ``std::terminate``, faulthandler) going to ``log_dir/rank{rank}.stderr``."""
+    log = open(Path(log_dir) / f"rank{rank}.stderr", "w")  # noqa: SIM115 (lives as the rank)
+    os.dup2(log.fileno(), 2)
+    try:
+        return in_launch_env(rank, env, fn, *args)
+    except BaseException:
+        traceback.print_exc()  # for the launcher's report if another rank dies by a signal
+        raise
+
+
+class RankCrashed(RuntimeError):
+    """A rank was killed by a signal: no Python traceback exists, so the message carries
+    the end of what the rank wrote to stderr (the C-level reason and its Python stacks)."""
+
+
+def crash_summary(stderr_text: str) -> str:
+    """One line out of a failed rank's stderr: the native message printed just before
+    faulthandler's ``Fatal Python error`` (glibc's heap check, ``terminate called ...``,
+    ``what(): ...``) and the innermost Python frame of the thread that crashed; for a rank
+    that raised, its exception's line."""
+    lines = [line.rstrip() for line in stderr_text.splitlines() if line.strip()]
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")),
+                 None)
+    if fatal is None:  # a Python traceback (the exception's line follows its frames) or not
+        start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")),
+                    default=None)
+        raised = [] if start is None else [line for line in lines[start + 1:]
+                                           if not line.startswith(" ")]
+        return raised[0] if raised else lines[-1] if lines else "(nothing on stderr)"
+    native = [line for line in lines[max(0, fatal - 2):fatal] if not line.startswith("[rank")]
+    current = next((i for i in range(fatal, len(lines))
+                    if lines[i].startswith("Current thread")), None)
+    frame = [lines[current + 1].strip()] if current is not None and current + 1 < len(lines) else []
+    return " | ".join([*native, lines[fatal], *frame])
+
+
 def start_ranks(fn: Callable[..., Any], nprocs: int, *args: Any) -> None:
     """``torch.multiprocessing.start_processes(fn, args, nprocs)`` from :func:`rank_context`,
-    in this process's current environment; raises with a failed rank's traceback."""
+    in this process's current environment; raises with a failed rank's traceback, or, for a
+    rank killed by a signal, :class:`RankCrashed` with the end of its stderr. What the ranks
+    wrote to stderr is copied to this process's stderr (the test's captured output)."""
     rank_context()
-    mp.start_processes(in_launch_env, args=(dict(os.environ), fn, *args), nprocs=nprocs,
-                       join=True, start_method=START_METHOD)
+    with tempfile.TemporaryDirectory() as log_dir:
+        try:
+            mp.start_processes(_logged_rank, args=(dict(os.environ), log_dir, fn, *args),
+                               nprocs=nprocs, join=True, start_method=START_METHOD)
+        except mp.ProcessExitedException as exc:
+            texts = [_read(Path(log_dir) / f"rank{rank}.stderr") for rank in range(nprocs)]
+            # A rank that raised (its traceback on its stderr) may be the cause of this one's
+            # death, though torch's launcher reports whichever failed rank it saw first.
+            others = [f"rank {rank}: {crash_summary(text)}" for rank, text in enumerate(texts)
+                      if rank != exc.error_index and ("Traceback" in text
+                                                      or "Fatal Python error" in text)]
+            tail = "\n".join(texts[exc.error_index].splitlines()[-60:])
+            raise RankCrashed(
+                f"rank {exc.error_index} of {nprocs} died with "
+                f"{exc.signal_name or f'exit code {exc.exit_code}'}: "
+                f"{crash_summary(texts[exc.error_index])}"
+                + "".join(f"; also failed: {line}" for line in others)
+                + f"\n--- the end of its stderr ---\n{tail}") from exc
+        finally:
+            for rank in range(nprocs):
+                text = _read(Path(log_dir) / f"rank{rank}.stderr")
+                if text:
+                    sys.stderr.write(text)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, fn, args) -> None:

@@ -651,3 +651,40 @@ def test_blocks_the_user_already_made_compile_regions_run_in_graphshards(one_ran
     assert losses == want_losses
     for a, b in zip(params, want_params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_rank):
+    """Attention, MLP and norm classes the user marked ``nested_compile_region`` (the norm
+    holds its weight itself, so graphshard counts its calls in its class) run inline in
+    graphshard's block region, which compiles the block once anyway: left marked, Dynamo
+    failed on a region inside the region ("Freevar has no source"). The marks stay where
+    graphshard's regions do not reach (the final norm, the classes themselves)."""
+    from graphshard.models.llama import Attention, FeedForward, RMSNorm
+
+    marked_classes = {cls: type(f"Marked{cls.__name__}", (cls,), {
+        "forward": torch.compiler.nested_compile_region(cls.forward)})
+        for cls in (Attention, FeedForward, RMSNorm)}
+
+    def marked(**shard_options) -> Llama:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
+                                  max_seq_len=8))
+        model.init_weights(0)
+        for sub in model.modules():
+            sub.__class__ = marked_classes.get(type(sub), type(sub))
+        return graphshard.shard(model, **shard_options)
+
+    model = marked()
+    final_norm_forward = model.norm.__dict__.get("_graphshard_own_forward")
+    assert hasattr(final_norm_forward, "__marked_compile_region_fn__")
+    assert all(hasattr(cls.forward, "__marked_compile_region_fn__")
+               for cls in marked_classes.values())
+    stages = _graphs(model)
+    assert len(list(region_calls(stages["fw"]))) == 3 and len(_bodies(stages["fw"])) == 1
+    torch._dynamo.reset()
+    losses, params = _train(marked(), 2, inductor=False)
+    torch._dynamo.reset()
+    want_losses, want_params = _train(_llama(), 2, inductor=False)
+    assert losses == want_losses
+    for a, b in zip(params, want_params, strict=True):
+        assert torch.equal(a, b)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from dist_utils import run_ranks
+import pytest
+from dist_utils import RankCrashed, crash_summary, run_ranks
 
 _VAR = "GRAPHSHARD_TEST_LAUNCH_ENV"
 
@@ -31,3 +32,35 @@ def test_ranks_fork_from_the_server_in_the_launching_tests_environment(monkeypat
     # every rank's parent is the one fork server, not this process
     parents = {r["parent"] for r in first + second + third}
     assert len(parents) == 1 and os.getpid() not in parents
+
+
+def _abort_on_rank_1(rank: int, world_size: int) -> None:
+    import sys
+
+    sys.stderr.write("[rank1]:W1203 a logged warning, not the reason\n")
+    if rank == 1:
+        os.write(2, b"malloc(): a native message the rank printed before dying\n")
+        os.abort()
+
+
+def test_a_rank_killed_by_a_signal_reports_the_end_of_its_stderr(capfd):
+    """A rank that dies by a signal has no Python traceback: the error names the signal and
+    carries the native message and the crashing Python frame (faulthandler's stack)."""
+    with pytest.raises(RankCrashed) as raised:
+        run_ranks(_abort_on_rank_1, 2)
+    first_line = str(raised.value).splitlines()[0]
+    assert first_line.startswith("rank 1 of 2 died with SIGABRT: malloc(): a native message")
+    assert "Fatal Python error: Aborted" in first_line
+    assert "in _abort_on_rank_1" in first_line
+    assert "a logged warning" not in first_line
+    # what every rank wrote still reaches the test's captured stderr
+    assert capfd.readouterr().err.count("a logged warning, not the reason") == 2
+
+
+def test_the_crash_summary_of_a_rank_that_raised_or_printed_no_fatal_error():
+    raised = ("[rank0]:W1203 a warning\nTraceback (most recent call last):\n"
+              '  File "x.py", line 1, in f\n    g()\n'
+              "RuntimeError: Connection closed by peer\n  more of the message\n")
+    assert crash_summary(raised) == "RuntimeError: Connection closed by peer"
+    assert crash_summary("first\nlast words\n\n") == "last words"
+    assert crash_summary("") == "(nothing on stderr)"

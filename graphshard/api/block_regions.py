@@ -41,7 +41,9 @@ from graphshard._torch_version import installed_torch_version
 from graphshard.api.bucket_storage import place as storage_place
 from graphshard.api.bucket_storage import register_storage_slots
 from graphshard.api.forward_depth import (
+    COMPILE_REGION_MARK,
     DEPTH_HOOK_ATTR,
+    OWN_FORWARD_ATTR,
     forward_in_place_of,
     mark_forward_hook,
     unchecked_side_effect,
@@ -388,10 +390,37 @@ def _unmarked(forward: Any) -> Any:
 
     A block class whose ``forward`` the user already made a compile region asks for what
     graphshard's region does (the block compiled once); left marked, it would be a region
-    inside graphshard's, which Dynamo cannot trace ("Freevar has no source")."""
-    while hasattr(forward, "__marked_compile_region_fn__"):
-        forward = forward.__marked_compile_region_fn__
+    inside graphshard's, which Dynamo cannot trace ("Freevar has no source": the inner
+    region reads the block's parameters, which inside graphshard's region are its operands).
+    The same holds for any module inside the block (:func:`_unmark_inside`)."""
+    while hasattr(forward, COMPILE_REGION_MARK):
+        forward = getattr(forward, COMPILE_REGION_MARK)
     return forward
+
+
+@functools.cache
+def _unmarked_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``forward`` is its own without the compile-region mark."""
+    return type(cls.__name__, (cls,), {"forward": _unmarked(cls.forward),
+                                       "__module__": cls.__module__})
+
+
+def _unmark_inside(block: nn.Module) -> None:
+    """Take the user's ``nested_compile_region`` marks off the modules inside ``block``
+    (an attention or MLP class marked to be compiled once): inside graphshard's region, whose
+    body is compiled once per distinct block anyway, they run inline. Where the mark sits:
+    the module's own ``forward`` kept for graphshard's counting class
+    (:mod:`graphshard.api.forward_depth`), an instance-level ``forward``, or the class (then
+    this instance gets a subclass without it; the class itself, and its instances outside
+    the blocks, keep it)."""
+    for sub in block.modules():
+        own = sub.__dict__.get(OWN_FORWARD_ATTR)
+        if own is not None:
+            sub.__dict__[OWN_FORWARD_ATTR] = _unmarked(own)
+        if "forward" in sub.__dict__:
+            sub.__dict__["forward"] = _unmarked(sub.__dict__["forward"])
+        elif sub is not block and hasattr(type(sub).forward, COMPILE_REGION_MARK):
+            sub.__class__ = _unmarked_class(type(sub))
 
 
 def _servable(block: nn.Module) -> bool:
@@ -492,6 +521,7 @@ def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn
             continue  # one block object at several depths: made a region once
         layout = _param_layout(block)
         if layout and _servable(block):
+            _unmark_inside(block)
             block.__dict__[_BLOCK_FORWARD] = _unmarked(type(block).forward)
             block.__class__ = _region_class(type(block))
             block.__dict__[_READS_ATTR] = _register_reads(state_index, layout)

@@ -48,7 +48,8 @@ from graphshard.safety.mutation import end_eager_reads, mutation_error, updated_
 from graphshard.safety.plain_params import refuse_plain_parameters, watch_registrations
 from graphshard.safety.rank_agreement import check_same_forward
 
-__all__ = ["DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR", "counted_call", "counted_forward",
+__all__ = ["COMPILE_REGION_MARK", "DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR",
+           "OWN_FORWARD_ATTR", "counted_call", "counted_forward",
            "counts_in_class", "forward_in_place_of", "is_graphshard_hook", "mark_forward_hook",
            "track_forwards", "unchecked_side_effect"]
 
@@ -58,6 +59,9 @@ DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
 # instance's dict, which torch 2.11's dict tags cover; an attribute of the class read through
 # the module would be guarded at every step).
 _OWN_FORWARD = "_graphshard_own_forward"
+OWN_FORWARD_ATTR = _OWN_FORWARD  # on a module counted in its class: its own ``forward``
+# The attribute by which ``torch.compiler.nested_compile_region`` marks the function it wraps.
+COMPILE_REGION_MARK = "__marked_compile_region_fn__"
 # On every module holding parameters: the state of the model it belongs to.
 _STATE = "_graphshard_root_state"
 _HOOK_ATTR = "_graphshard_forward_hook"
@@ -145,7 +149,11 @@ def forward_in_place_of(generic: Callable[..., Any], own: Callable[..., Any]
     forward = types.FunctionType(generic.__code__, generic.__globals__, "forward",
                                  generic.__defaults__, generic.__closure__)
     forward.__kwdefaults__ = generic.__kwdefaults__
-    return functools.update_wrapper(forward, own)
+    functools.update_wrapper(forward, own)
+    # ``own``'s attributes come along, but not a ``nested_compile_region`` mark: ``generic``
+    # is not the region, it calls ``own``, which stays marked (or not) on its own.
+    forward.__dict__.pop(COMPILE_REGION_MARK, None)
+    return forward
 
 
 @functools.cache
