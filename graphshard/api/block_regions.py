@@ -410,15 +410,13 @@ def _unmark_inside(block: nn.Module) -> None:
     (an attention or MLP class marked to be compiled once): inside graphshard's region, whose
     body is compiled once per distinct block anyway, they run inline. Where the mark sits:
     the module's own ``forward`` kept for graphshard's counting class
-    (:mod:`graphshard.api.forward_depth`), an instance-level ``forward``, or the class (then
-    this instance gets a subclass without it; the class itself, and its instances outside
-    the blocks, keep it)."""
+    (:mod:`graphshard.api.forward_depth`), or the class (then this instance gets a subclass
+    without it; the class itself, and its instances outside the blocks, keep it). torch
+    marks functions, not bound methods, so an instance's own ``forward`` carries none."""
     for sub in block.modules():
         own = sub.__dict__.get(OWN_FORWARD_ATTR)
         if own is not None:
             sub.__dict__[OWN_FORWARD_ATTR] = _unmarked(own)
-        if "forward" in sub.__dict__:
-            sub.__dict__["forward"] = _unmarked(sub.__dict__["forward"])
         elif sub is not block and hasattr(type(sub).forward, COMPILE_REGION_MARK):
             sub.__class__ = _unmarked_class(type(sub))
 
