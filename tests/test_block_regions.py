@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -688,3 +689,25 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
     assert losses == want_losses
     for a, b in zip(params, want_params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_graph_break_inside_a_block_warns_at_the_users_line(fake2):
+    """The break falls back at graphshard's region call and the block's code compiles in
+    graphs of its own: the warning names the block's own line (not graphshard's region call)
+    and prices the gather the next block's graph now exposes. Before, the block's frame
+    returning hid the break and nothing warned."""
+    from graphshard.compiler.graph_breaks import GraphBreakWarning
+
+    model = graphshard.shard(_BreakingStack())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend=graphshard.backend(inductor=False))(
+            torch.randn(4, 8)).backward()
+    breaks = [w for w in caught if w.category is GraphBreakWarning]
+    assert len(breaks) == 2  # at the first two blocks: a gather follows each in a new graph
+    for warning in breaks:
+        message = str(warning.message)
+        assert "test_block_regions.py" in message and "torch._dynamo.graph_break()" in message
+        assert "inside a block compiled as a region" in message
+        assert "+1 exposed all-gather" in message and "api/block_regions.py" not in message
+        assert warning.filename == __file__

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from graphshard.api.block_regions import region_forward
 from graphshard.passes.cost_model import (
     HardwareProfile,
     all_gather_time,
@@ -60,6 +61,15 @@ class _Break:
     where: str
     gathered: dict[str, int]  # parameter name -> unsharded bytes, before the break
     frame: traceback.FrameSummary | None = None  # the user's line that broke the graph
+    # Dynamo fell back at a block region's call (:mod:`graphshard.api.block_regions`): the
+    # break is inside the block, whose code is then compiled apart, frame by frame
+    in_region: bool = False
+    named_by_body: bool = False  # the block's own break replaced the region call's reason
+
+
+def _at_region_call(frame: traceback.FrameSummary | None) -> bool:
+    code = region_forward.__code__
+    return frame is not None and frame.filename == code.co_filename and frame.name == code.co_name
 
 
 def _first_line(reason: str) -> str:
@@ -155,9 +165,12 @@ def _message(brk: _Break, cost: BreakCost, profile: HardwareProfile) -> str:
             f"{len(cost.regathered)} parameter(s) read on both sides are gathered once more "
             f"per graph ({cost.regathered_bytes:,} more bytes per gather: {shown})"
         )
+    inside = (" (inside a block compiled as a region: each such block's gathers then run in "
+              "graphs of their own)") if brk.in_region else ""
     return (
-        f"graphshard: a graph break at {brk.where} splits the sharded step into separate "
-        f"graphs; collectives cannot be overlapped across it. Dynamo's reason: {brk.reason}. "
+        f"graphshard: a graph break at {brk.where}{inside} splits the sharded step into "
+        f"separate graphs; collectives cannot be overlapped across it. Dynamo's reason: "
+        f"{brk.reason}. "
         f"Cost per step ({profile.name} profile): " + "; ".join(parts) + ". Predicted extra "
         f"exposed communication: {cost.exposed_s * 1e3:.3f} ms per step. Remove the break "
         "(the reason says how, or see torch._dynamo.explain / TORCH_LOGS=graph_breaks) or move "
@@ -201,11 +214,20 @@ class GraphBreakTracker:
         elif self.pending is not None:
             self.pending.gathered.update(gathered)  # nothing gathered yet: wait for the next
         reason = getattr(gm, "compile_subgraph_reason", None)
-        if reason is None or not getattr(reason, "graph_break", False):
+        breaks = reason is not None and getattr(reason, "graph_break", False)
+        stack = getattr(reason, "user_stack", None) or [None]
+        if self.pending is not None and self.pending.in_region and not gathered:
+            # A graph of the block's own code, compiled after the region call fell back: its
+            # break is the one to name; its frame's return is the block's, not the step's.
+            if breaks and not self.pending.named_by_body and not _at_region_call(stack[-1]):
+                self.pending.reason, self.pending.where = _first_line(reason.reason), _where(reason)
+                self.pending.frame, self.pending.named_by_body = stack[-1], True
+            return cost
+        if not breaks:
             self.pending = None  # the frame returned: a break before it cost nothing more
         elif gathered:
-            stack = getattr(reason, "user_stack", None) or [None]
-            self.pending = _Break(_first_line(reason.reason), _where(reason), gathered, stack[-1])
+            self.pending = _Break(_first_line(reason.reason), _where(reason), gathered, stack[-1],
+                                  in_region=_at_region_call(stack[-1]))
         return cost
 
 
