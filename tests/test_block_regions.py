@@ -681,7 +681,10 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
     assert all(hasattr(cls.forward, "__marked_compile_region_fn__")
                for cls in marked_classes.values())
     stages = _graphs(model)
-    assert len(list(region_calls(stages["fw"]))) == 3 and len(_bodies(stages["fw"])) == 1
+    # the three blocks: three calls of one body (torch 2.11 keeps the final norm's own
+    # region, a fourth call of another body; 2.13 traces that one inline)
+    bodies = Counter(call.args[0].target for call in region_calls(stages["fw"]))
+    assert bodies.most_common(1)[0][1] == 3 and sum(bodies.values()) <= 4
     torch._dynamo.reset()
     losses, params = _train(marked(), 2, inductor=False)
     torch._dynamo.reset()
