@@ -195,3 +195,27 @@ def in_fake_world(size: int, rank: int = 0) -> Iterator[None]:
     finally:
         torch._dynamo.reset()
         shutdown_fake_world()
+
+
+class KeyedLayersLlama(nn.Module):
+    """graphshard's Llama with its blocks in an ``nn.ModuleDict`` keyed "0", "1", ..., as
+    torchtitan's models hold them (and iterate ``self.layers.values()``): the same parameter
+    names and values as the ``ModuleList`` model it is made from."""
+
+    def __init__(self, llama: nn.Module) -> None:
+        super().__init__()
+        self.tok_embeddings, self.rope = llama.tok_embeddings, llama.rope
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(llama.layers)})
+        self.norm, self.output = llama.norm, llama.output
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        from graphshard.models.llama import LlamaOutput
+
+        cos, sin = self.rope(input_ids.shape[1])
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return LlamaOutput(loss, logits)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from graph_utils import c10d, calls
+from graph_utils import KeyedLayersLlama, c10d, calls
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -714,3 +714,25 @@ def test_a_graph_break_inside_a_block_warns_at_the_users_line(fake2):
         assert "inside a block compiled as a region" in message
         assert "+1 exposed all-gather" in message and "api/block_regions.py" not in message
         assert warning.filename == __file__
+
+
+def test_blocks_kept_in_a_module_dict_run_as_regions(one_rank):
+    """torchtitan's layout (blocks in an ``nn.ModuleDict``): one body for the three blocks,
+    and the same training as the ``ModuleList`` model."""
+
+    def keyed() -> nn.Module:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
+                                  max_seq_len=8))
+        model.init_weights(0)
+        return graphshard.shard(KeyedLayersLlama(model))
+
+    stages = _graphs(keyed())
+    assert len(list(region_calls(stages["fw"]))) == 3 and len(_bodies(stages["fw"])) == 1
+    torch._dynamo.reset()
+    losses, params = _train(keyed(), 2, inductor=False)
+    torch._dynamo.reset()
+    want_losses, want_params = _train(_llama(), 2, inductor=False)
+    assert losses == want_losses
+    for a, b in zip(params, want_params, strict=True):
+        assert torch.equal(a, b)

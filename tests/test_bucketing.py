@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import c10d, calls, fake_process_group
+from graph_utils import KeyedLayersLlama, c10d, calls, fake_process_group
 
 import graphshard
 from graphshard.api.sharding import shard_state
@@ -159,3 +159,11 @@ def test_a_bucket_holds_one_dtype_and_each_parameter_keeps_its_own(world2):
     grads = {n: p.grad.dtype for n, p in model.named_parameters()}
     assert grads == {"proj.weight": torch.bfloat16, "proj.bias": torch.bfloat16,
                      "norm.weight": torch.float32, "norm.bias": torch.float32}
+
+
+def test_blocks_kept_in_a_module_dict_are_the_default_buckets_too(world2):
+    """torchtitan keeps its blocks in an ``nn.ModuleDict``: each is a bucket, as a
+    ``ModuleList``'s are (the whole model was one bucket before, and nothing said so)."""
+    model = graphshard.shard(KeyedLayersLlama(llama()))
+    assert shard_state(model).bucket_names == [
+        "<before blocks>", "layers.0", "layers.1", "<after blocks>"]

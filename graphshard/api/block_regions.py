@@ -4,8 +4,8 @@ graphshard compiles the whole training step as one graph, which is what lets it 
 prefetch every gather across block boundaries, but Inductor's work then grows with depth:
 every one of 80 identical layers is lowered, scheduled and code-generated on its own.
 
-Here each block of the main ``ModuleList`` / ``Sequential`` (the one :func:`graphshard.shard`
-buckets by) runs, under ``torch.compile``, as a call to one
+Here each block of the main ``ModuleList`` / ``Sequential`` / ``ModuleDict`` (the one
+:func:`graphshard.shard` buckets by) runs, under ``torch.compile``, as a call to one
 ``torch.compiler.nested_compile_region``:
 
 - the block's parameters are read *outside* the region, through the usual ``unshard``
@@ -504,10 +504,11 @@ def _count_depth_eagerly_inside(block: nn.Module) -> None:
                                sub._forward_hooks_always_called)
 
 
-def install_block_regions(blocks: nn.Module | None, state_index: int) -> list[nn.Module]:
-    """Make each block of ``blocks`` (the main ModuleList/Sequential) of the model whose
-    state is ``ROOT_STATES[state_index]`` run as a compile region under ``torch.compile``;
-    returns the blocks that will."""
+def install_block_regions(blocks: list[nn.Module] | None, state_index: int
+                          ) -> list[nn.Module]:
+    """Make each block of ``blocks`` (the main ModuleList/Sequential/ModuleDict's children)
+    of the model whose state is ``ROOT_STATES[state_index]`` run as a compile region under
+    ``torch.compile``; returns the blocks that will."""
     if blocks is None or not hasattr(torch.compiler, "nested_compile_region"):
         return []
     _graph_breaks_fall_back()

@@ -118,18 +118,22 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.accelerator.current_accelerator()
 
 
-def _main_block_list(module: nn.Module) -> nn.Module | None:
-    """The ModuleList/Sequential with most parameters and at least two children, if any."""
+def _main_blocks(module: nn.Module) -> list[nn.Module] | None:
+    """The children of the ModuleList, Sequential or ModuleDict (torchtitan keeps its layers
+    in one, keyed by index) with most parameters and at least two children, in order; None
+    if the model has none."""
     best, best_numel = None, 0
     for sub in module.modules():
-        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) >= 2:
+        if isinstance(sub, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(sub) >= 2:
             numel = sum(p.numel() for p in sub.parameters())
             if numel > best_numel:
                 best, best_numel = sub, numel
-    return best
+    if best is None:
+        return None
+    return list(best.values() if isinstance(best, nn.ModuleDict) else best)
 
 
-def _block_groups(blocks: nn.Module | None) -> list[list[nn.Module]]:
+def _block_groups(blocks: list[nn.Module] | None) -> list[list[nn.Module]]:
     """The default groups: one per block of the main list, except a block whose parameters
     all belong to earlier blocks. A block object listed again (one layer applied at several
     depths, as in a looped or ALBERT-style model) or a block of shared parameters only adds
@@ -148,7 +152,7 @@ def _block_groups(blocks: nn.Module | None) -> list[list[nn.Module]]:
 
 def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
     if buckets is None:
-        return _block_groups(_main_block_list(module))
+        return _block_groups(_main_blocks(module))
     if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable) or (
         isinstance(buckets, nn.Module) and not isinstance(buckets, (nn.ModuleList, nn.Sequential))
     ):
@@ -402,7 +406,8 @@ def shard(
             the data-parallel sub-mesh of the same mesh: ``mesh["dp"]``, or
             ``mesh["replicate", "shard"]`` for HSDP x TP; each TP piece is then sharded
             across it (:mod:`graphshard.api.tensor_parallel`).
-        buckets: None for one bucket per block of the model's main ModuleList/Sequential,
+        buckets: None for one bucket per block of the model's main ModuleList/Sequential
+            (or ModuleDict, as torchtitan's models hold their layers),
             and for the other parameters one bucket of those registered before the blocks
             (an embedding) and one of those after them (a final norm, an output head); or a
             list of module groups (a module or a list of modules, which
@@ -423,7 +428,7 @@ def shard(
             accelerator mesh (ValueError on a CPU one: nothing to offload). The buffers go
             to the mesh's device (also after a later ``to_empty(device="cpu")``).
         compile_blocks_once: under ``torch.compile``, run each block of the main
-            ModuleList/Sequential as a compile region, so that identical blocks are
+            ModuleList/Sequential/ModuleDict as a compile region, so that identical blocks are
             partitioned and compiled by Inductor once, while their gathers stay in the step
             graph, bucketed and prefetched across blocks (:mod:`graphshard.api.block_regions`).
             False compiles every block on its own, as part of the one step graph.
@@ -566,7 +571,7 @@ def shard(
         keep_buffers_on_device(module, mesh.device_type)
     track_forwards(module, state)
     if compile_blocks_once:
-        install_block_regions(_main_block_list(module), state_index)
+        install_block_regions(_main_blocks(module), state_index)
     step_prefetch.track(state)  # the optimizer step may gather the forward's first buckets
     setattr(module, STATE_ATTR, state)
     refuse_tp_after_shard()
