@@ -167,3 +167,13 @@ def test_blocks_kept_in_a_module_dict_are_the_default_buckets_too(world2):
     model = graphshard.shard(KeyedLayersLlama(llama()))
     assert shard_state(model).bucket_names == [
         "<before blocks>", "layers.0", "layers.1", "<after blocks>"]
+
+
+def test_a_module_dict_of_unlike_parts_is_not_taken_for_blocks(world2):
+    """Two towers in a ModuleDict are not a list of blocks: the blocks inside them are."""
+    from graph_utils import BlockStack
+
+    model = torch.nn.Module()
+    model.towers = torch.nn.ModuleDict({"a": BlockStack(3), "b": torch.nn.Linear(8, 8)})
+    assert shard_state(graphshard.shard(model)).bucket_names == [
+        "towers.a.blocks.0", "towers.a.blocks.1", "towers.a.blocks.2", "<rest>"]

@@ -118,13 +118,21 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.accelerator.current_accelerator()
 
 
+def _block_container(sub: nn.Module) -> bool:
+    """A ModuleList or Sequential, or a ModuleDict of modules of one class (torchtitan keeps
+    its layers in one, keyed by index; a dict of unlike parts, two towers say, is not a
+    list of blocks)."""
+    if isinstance(sub, (nn.ModuleList, nn.Sequential)):
+        return True
+    return isinstance(sub, nn.ModuleDict) and len({type(m) for m in sub.values()}) == 1
+
+
 def _main_blocks(module: nn.Module) -> list[nn.Module] | None:
-    """The children of the ModuleList, Sequential or ModuleDict (torchtitan keeps its layers
-    in one, keyed by index) with most parameters and at least two children, in order; None
-    if the model has none."""
+    """The children, in order, of the block container (:func:`_block_container`) with most
+    parameters and at least two children; None if the model has none."""
     best, best_numel = None, 0
     for sub in module.modules():
-        if isinstance(sub, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(sub) >= 2:
+        if _block_container(sub) and len(sub) >= 2:
             numel = sum(p.numel() for p in sub.parameters())
             if numel > best_numel:
                 best, best_numel = sub, numel
