@@ -128,17 +128,35 @@ def _block_container(sub: nn.Module) -> bool:
 
 
 def _main_blocks(module: nn.Module) -> list[nn.Module] | None:
-    """The children, in order, of the block container (:func:`_block_container`) with most
-    parameters and at least two children; None if the model has none."""
-    best, best_numel = None, 0
-    for sub in module.modules():
-        if _block_container(sub) and len(sub) >= 2:
-            numel = sum(p.numel() for p in sub.parameters())
-            if numel > best_numel:
-                best, best_numel = sub, numel
-    if best is None:
+    """The model's blocks, in registration order; None if it has none.
+
+    The main list is the block container (:func:`_block_container`) with most parameters
+    and at least two children. Other containers of one block class (the encoder's layers
+    beside the decoder's, a CNN's stages beside its largest) join it when they hold
+    parameters of their own, outside every container already taken: an encoder left out
+    was one bucket, gathered whole before its first layer."""
+    sized = [(sum(p.numel() for p in sub.parameters()), index, sub)
+             for index, sub in enumerate(module.modules())
+             if _block_container(sub) and len(sub) >= 2]
+    taken: list[tuple[int, nn.Module]] = []
+    held: set[int] = set()
+    for numel, index, sub in sorted(sized, key=lambda item: (-item[0], item[1])):
+        ids = {id(p) for p in sub.parameters()}
+        inside = {id(m) for m in sub.modules()}
+        if numel == 0 or ids & held or any(id(other) in inside for _, other in taken):
+            continue  # no parameters, or shares a taken container's (or holds one)
+        if taken and len({type(child) for child in _children(sub)}) != 1:
+            continue  # beside the main list, only a list of like blocks
+        taken.append((index, sub))
+        held |= ids
+    if not taken:
         return None
-    return list(best.values() if isinstance(best, nn.ModuleDict) else best)
+    return [child for _, sub in sorted(taken, key=lambda item: item[0])
+            for child in _children(sub)]
+
+
+def _children(container: nn.Module) -> list[nn.Module]:
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 
 
 def _block_groups(blocks: list[nn.Module] | None) -> list[list[nn.Module]]:
