@@ -177,3 +177,20 @@ def test_a_module_dict_of_unlike_parts_is_not_taken_for_blocks(world2):
     model.towers = torch.nn.ModuleDict({"a": BlockStack(3), "b": torch.nn.Linear(8, 8)})
     assert shard_state(graphshard.shard(model)).bucket_names == [
         "towers.a.blocks.0", "towers.a.blocks.1", "towers.a.blocks.2", "<rest>"]
+
+
+def test_an_encoders_layers_are_buckets_beside_the_decoders(world2):
+    """torch's ``nn.Transformer``: the encoder's layers are blocks as the decoder's are (the
+    encoder was one bucket, gathered whole before its first layer). Beside the main list,
+    only a list of like blocks counts: a ``Sequential`` head of unlike layers stays whole."""
+    model = graphshard.shard(torch.nn.Transformer(
+        d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=32))
+    assert shard_state(model).bucket_names == [
+        "encoder.layers.0", "encoder.layers.1",
+        "decoder.layers.0", "decoder.layers.1", "decoder.layers.2", "<rest>"]
+    with_head = torch.nn.Module()
+    with_head.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+    with_head.head = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(),
+                                         torch.nn.Linear(4, 2))
+    assert shard_state(graphshard.shard(with_head)).bucket_names == [
+        "blocks.0", "blocks.1", "blocks.2", "<rest>"]

@@ -433,7 +433,8 @@ def shard(
             ``mesh["replicate", "shard"]`` for HSDP x TP; each TP piece is then sharded
             across it (:mod:`graphshard.api.tensor_parallel`).
         buckets: None for one bucket per block of the model's main ModuleList/Sequential
-            (or ModuleDict, as torchtitan's models hold their layers),
+            (or ModuleDict, as torchtitan's models hold their layers) and of other lists of
+            like blocks beside it (an encoder's layers),
             and for the other parameters one bucket of those registered before the blocks
             (an embedding) and one of those after them (a final norm, an output head); or a
             list of module groups (a module or a list of modules, which
