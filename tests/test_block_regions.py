@@ -11,6 +11,7 @@ import re
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,12 +29,14 @@ from graphshard.passes.regions import region_calls
 AG, RS = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
 
 
-def _llama(layers: int = 3, **shard_options) -> Llama:
+def _llama(layers: int = 3, prepare: Callable[[Llama], nn.Module] | None = None,
+           **shard_options) -> nn.Module:
+    """The small Llama of these tests, sharded (after ``prepare(model)``, if given)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, ffn_hidden=48,
                               max_seq_len=8))
     model.init_weights(0)
-    return graphshard.shard(model, **shard_options)
+    return graphshard.shard(model if prepare is None else prepare(model), **shard_options)
 
 
 def _tokens() -> torch.Tensor:
@@ -249,6 +252,18 @@ def _train(model: nn.Module, steps: int, **backend_options) -> tuple[list[float]
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def _assert_trains_as_the_plain_llama(build: Callable[[], nn.Module]) -> None:
+    """Two steps of ``build()``'s model, compiled op by op, give the plain sharded Llama's
+    losses and parameters, bit for bit."""
+    torch._dynamo.reset()
+    losses, params = _train(build(), 2, inductor=False)
+    torch._dynamo.reset()
+    want_losses, want_params = _train(_llama(), 2, inductor=False)
+    assert losses == want_losses
+    for a, b in zip(params, want_params, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -633,25 +648,18 @@ def test_blocks_the_user_already_made_compile_regions_run_in_graphshards(one_ran
     class MarkedBlock(Block):
         forward = torch.compiler.nested_compile_region(Block.forward)
 
-    def marked(**shard_options) -> Llama:
-        torch.manual_seed(0)
-        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
-                                  max_seq_len=8))
-        model.init_weights(0)
+    def mark(model: Llama) -> Llama:
         for layer in model.layers:
             layer.__class__ = MarkedBlock
-        return graphshard.shard(model, **shard_options)
+        return model
+
+    def marked() -> nn.Module:
+        return _llama(prepare=mark)
 
     stages = _graphs(marked())
     calls_ = list(region_calls(stages["fw"]))
     assert len(calls_) == 3 and len(_bodies(stages["fw"])) == 1
-    torch._dynamo.reset()
-    losses, params = _train(marked(), 2, inductor=False)
-    torch._dynamo.reset()
-    want_losses, want_params = _train(_llama(), 2, inductor=False)
-    assert losses == want_losses
-    for a, b in zip(params, want_params, strict=True):
-        assert torch.equal(a, b)
+    _assert_trains_as_the_plain_llama(marked)
 
 
 def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_rank):
@@ -666,14 +674,13 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
         "forward": torch.compiler.nested_compile_region(cls.forward)})
         for cls in (Attention, FeedForward, RMSNorm)}
 
-    def marked(**shard_options) -> Llama:
-        torch.manual_seed(0)
-        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
-                                  max_seq_len=8))
-        model.init_weights(0)
+    def mark(model: Llama) -> Llama:
         for sub in model.modules():
             sub.__class__ = marked_classes.get(type(sub), type(sub))
-        return graphshard.shard(model, **shard_options)
+        return model
+
+    def marked() -> nn.Module:
+        return _llama(prepare=mark)
 
     model = marked()
     final_norm_forward = model.norm.__dict__.get("_graphshard_own_forward")
@@ -685,13 +692,7 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
     # region, a fourth call of another body; 2.13 traces that one inline)
     bodies = Counter(call.args[0].target for call in region_calls(stages["fw"]))
     assert bodies.most_common(1)[0][1] == 3 and sum(bodies.values()) <= 4
-    torch._dynamo.reset()
-    losses, params = _train(marked(), 2, inductor=False)
-    torch._dynamo.reset()
-    want_losses, want_params = _train(_llama(), 2, inductor=False)
-    assert losses == want_losses
-    for a, b in zip(params, want_params, strict=True):
-        assert torch.equal(a, b)
+    _assert_trains_as_the_plain_llama(marked)
 
 
 def test_a_graph_break_inside_a_block_warns_at_the_users_line(fake2):
@@ -721,18 +722,8 @@ def test_blocks_kept_in_a_module_dict_run_as_regions(one_rank):
     and the same training as the ``ModuleList`` model."""
 
     def keyed() -> nn.Module:
-        torch.manual_seed(0)
-        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, ffn_hidden=48,
-                                  max_seq_len=8))
-        model.init_weights(0)
-        return graphshard.shard(KeyedLayersLlama(model))
+        return _llama(prepare=KeyedLayersLlama)
 
     stages = _graphs(keyed())
     assert len(list(region_calls(stages["fw"]))) == 3 and len(_bodies(stages["fw"])) == 1
-    torch._dynamo.reset()
-    losses, params = _train(keyed(), 2, inductor=False)
-    torch._dynamo.reset()
-    want_losses, want_params = _train(_llama(), 2, inductor=False)
-    assert losses == want_losses
-    for a, b in zip(params, want_params, strict=True):
-        assert torch.equal(a, b)
+    _assert_trains_as_the_plain_llama(keyed)
