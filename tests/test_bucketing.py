@@ -167,6 +167,9 @@ def test_blocks_kept_in_a_module_dict_are_the_default_buckets_too(world2):
     model = graphshard.shard(KeyedLayersLlama(llama()))
     assert shard_state(model).bucket_names == [
         "<before blocks>", "layers.0", "layers.1", "<after blocks>"]
+    model = KeyedLayersLlama(llama())  # named by hand: the dict's modules, one group each
+    named = graphshard.shard(model, buckets=model.layers)
+    assert shard_state(named).bucket_names == ["layers.0", "layers.1", "<rest>"]
 
 
 def test_a_module_dict_of_unlike_parts_is_not_taken_for_blocks(world2):

@@ -142,9 +142,8 @@ def _main_blocks(module: nn.Module) -> list[nn.Module] | None:
     held: set[int] = set()
     for numel, index, sub in sorted(sized, key=lambda item: (-item[0], item[1])):
         ids = {id(p) for p in sub.parameters()}
-        inside = {id(m) for m in sub.modules()}
-        if numel == 0 or ids & held or any(id(other) in inside for _, other in taken):
-            continue  # no parameters, or shares a taken container's (or holds one)
+        if numel == 0 or ids & held:
+            continue  # no parameters, or shares a taken container's (holds or is inside one)
         if taken and len({type(child) for child in _children(sub)}) != 1:
             continue  # beside the main list, only a list of like blocks
         taken.append((index, sub))
@@ -179,6 +178,8 @@ def _block_groups(blocks: list[nn.Module] | None) -> list[list[nn.Module]]:
 def _module_groups(module: nn.Module, buckets) -> list[list[nn.Module]]:
     if buckets is None:
         return _block_groups(_main_blocks(module))
+    if isinstance(buckets, nn.ModuleDict):  # its modules, as the ModuleList's would be
+        buckets = list(buckets.values())
     if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable) or (
         isinstance(buckets, nn.Module) and not isinstance(buckets, (nn.ModuleList, nn.Sequential))
     ):
