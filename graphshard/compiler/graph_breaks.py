@@ -10,6 +10,12 @@ break (Dynamo's reason and the user's source line) and prices it with the cost m
 Dynamo compiles the graph that ends in the break first (``gm.compile_subgraph_reason`` says
 why it ended), then the graph after it: the break is remembered until the next graph that
 gathers something is compiled, whose collectives are the cost.
+
+A break inside a block that runs as a compile region (:mod:`graphshard.api.block_regions`)
+shows first as a break at graphshard's region call, where Dynamo falls back; the block's own
+code then compiles in graphs of its own, which gather nothing (the block's parameters came
+gathered) and end with the block's return. Such a break stays remembered across them, and
+takes the reason and line of the block's own break.
 """
 
 from __future__ import annotations
