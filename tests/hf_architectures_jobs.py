@@ -1,8 +1,8 @@
 """Rank jobs of ``test_hf_architectures``: Hugging Face models unlike Llama, built from small
 configs, sharded with the defaults and trained eagerly and compiled, against one process.
 
-- T5 (encoder-decoder): two block lists (the encoder's is the main one, the decoder's layer
-  gathers with the rest), a relative position bias computed by the encoder's first block and
+- T5 (encoder-decoder): two block lists (each layer of both a bucket of its own), a
+  relative position bias computed by the encoder's first block and
   passed to the second, cross-attention, embeddings tied across encoder, decoder and head;
 - Mamba: selective state-space blocks (a causal ``Conv1d``, ``SiLU`` gates, a scan), no
   attention.
