@@ -107,29 +107,33 @@ def start_ranks(fn: Callable[..., Any], nprocs: int, *args: Any) -> None:
     rank killed by a signal, :class:`RankCrashed` with the end of its stderr. What the ranks
     wrote to stderr is copied to this process's stderr (the test's captured output)."""
     rank_context()
+    crashed: mp.ProcessExitedException | None = None
     with tempfile.TemporaryDirectory() as log_dir:
         try:
             mp.start_processes(_logged_rank, args=(dict(os.environ), log_dir, fn, *args),
                                nprocs=nprocs, join=True, start_method=START_METHOD)
         except mp.ProcessExitedException as exc:
+            crashed = exc
+        finally:  # also when a rank raised (torch's error carries its traceback)
             texts = [_read(Path(log_dir) / f"rank{rank}.stderr") for rank in range(nprocs)]
-            # A rank that raised (its traceback on its stderr) may be the cause of this one's
-            # death, though torch's launcher reports whichever failed rank it saw first.
-            others = [f"rank {rank}: {crash_summary(text)}" for rank, text in enumerate(texts)
-                      if rank != exc.error_index and ("Traceback" in text
-                                                      or "Fatal Python error" in text)]
-            tail = "\n".join(texts[exc.error_index].splitlines()[-60:])
-            raise RankCrashed(
-                f"rank {exc.error_index} of {nprocs} died with "
-                f"{exc.signal_name or f'exit code {exc.exit_code}'}: "
-                f"{crash_summary(texts[exc.error_index])}"
-                + "".join(f"; also failed: {line}" for line in others)
-                + f"\n--- the end of its stderr ---\n{tail}") from exc
-        finally:
-            for rank in range(nprocs):
-                text = _read(Path(log_dir) / f"rank{rank}.stderr")
-                if text:
-                    sys.stderr.write(text)
+            sys.stderr.write("".join(texts))
+    if crashed is not None:
+        raise _crash_error(crashed, texts) from crashed
+
+
+def _crash_error(exc: mp.ProcessExitedException, texts: list[str]) -> RankCrashed:
+    """The error for a rank killed by a signal, from every rank's stderr (``texts``): a rank
+    that raised or crashed beside it may be the cause, though torch's launcher reports
+    whichever failed rank it saw first."""
+    dead = exc.error_index
+    others = [f"rank {rank}: {crash_summary(text)}" for rank, text in enumerate(texts)
+              if rank != dead and ("Traceback" in text or "Fatal Python error" in text)]
+    tail = "\n".join(texts[dead].splitlines()[-60:])
+    return RankCrashed(
+        f"rank {dead} of {len(texts)} died with "
+        f"{exc.signal_name or f'exit code {exc.exit_code}'}: {crash_summary(texts[dead])}"
+        + "".join(f"; also failed: {line}" for line in others)
+        + f"\n--- the end of its stderr ---\n{tail}")
 
 
 def _read(path: Path) -> str:
