@@ -668,6 +668,7 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
     graphshard's block region, which compiles the block once anyway: left marked, Dynamo
     failed on a region inside the region ("Freevar has no source"). The marks stay where
     graphshard's regions do not reach (the final norm, the classes themselves)."""
+    from graphshard.api.forward_depth import OWN_FORWARD_ATTR
     from graphshard.models.llama import Attention, FeedForward, RMSNorm
 
     marked_classes = {cls: type(f"Marked{cls.__name__}", (cls,), {
@@ -683,7 +684,7 @@ def test_modules_the_user_made_compile_regions_inside_a_block_run_inline(one_ran
         return _llama(prepare=mark)
 
     model = marked()
-    final_norm_forward = model.norm.__dict__.get("_graphshard_own_forward")
+    final_norm_forward = model.norm.__dict__.get(OWN_FORWARD_ATTR)
     assert hasattr(final_norm_forward, "__marked_compile_region_fn__")
     assert all(hasattr(cls.forward, "__marked_compile_region_fn__")
                for cls in marked_classes.values())

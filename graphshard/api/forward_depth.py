@@ -58,8 +58,7 @@ DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
 # On a module counted by its class: the ``forward`` its class had before (a function in the
 # instance's dict, which torch 2.11's dict tags cover; an attribute of the class read through
 # the module would be guarded at every step).
-_OWN_FORWARD = "_graphshard_own_forward"
-OWN_FORWARD_ATTR = _OWN_FORWARD  # on a module counted in its class: its own ``forward``
+OWN_FORWARD_ATTR = "_graphshard_own_forward"
 # The attribute by which ``torch.compiler.nested_compile_region`` marks the function it wraps.
 COMPILE_REGION_MARK = "__marked_compile_region_fn__"
 # On every module holding parameters: the state of the model it belongs to.
@@ -172,12 +171,12 @@ def _counted_class(cls: type) -> type:
 
 def counts_in_class(module: nn.Module) -> bool:
     """Whether ``module``'s forwards are counted by its class (not by hooks)."""
-    return _OWN_FORWARD in module.__dict__
+    return OWN_FORWARD_ATTR in module.__dict__
 
 
 def _count_in_class(module: nn.Module, state: ShardState) -> None:
     cls = type(module)
-    module.__dict__[_OWN_FORWARD] = cls.forward
+    module.__dict__[OWN_FORWARD_ATTR] = cls.forward
     module.__dict__[_STATE] = state
     if "_graphshard_original_class" in cls.__dict__:  # already a class of this module alone
         cls.forward = _counting(cls.forward)
