@@ -97,6 +97,9 @@ class ShardState:
     optimizer_steps: int = 0
     offload: CPUOffload | None = None  # shards, gradients, optimizer state on the host
     compute_device: str = ""  # with offload: the device type shards are gathered on
+    # shard(gradient_divide_factor=...): what the ranks' summed gradients are divided by
+    # (None: by their number, the average)
+    gradient_divide_factor: float | None = None
 
     @property
     def group_name(self) -> str:

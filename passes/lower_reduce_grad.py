@@ -3,7 +3,9 @@
 Each full gradient is laid out rank-major, ``[world, piece_numel]`` with dim-0 padding
 (``graphshard.passes.layout``); the bucket's gradients are concatenated along dim 1 so that rank r's
 slice of the flat buffer is exactly the concatenation of its padded pieces. One averaging
-reduce-scatter then hands each rank its pieces, of which it keeps its own rows. Mixed
+reduce-scatter then hands each rank its pieces, of which it keeps its own rows (with
+``shard(gradient_divide_factor=f)`` a summing one, each gradient multiplied by ``1 / f``
+first, as FSDP2's pre-multiplied sum does; replicas then sum). Mixed
 precision casts the gradients to ``reduce_dtype`` first and the result back to the shard's
 dtype; on a 2-D mesh the reduced pieces are then all-reduced (averaged) across replicas;
 gradients held back by ``no_sync`` are added in, full ones before the reduce-scatter and
@@ -82,6 +84,9 @@ def _lower_local(graph: fx.Graph, make: NodeMaker, node: fx.Node, bucket: int) -
         grad = _in_reduce_dtype(make, args.grad, args.reduce_dtype)
         if args.pending_full is not None:
             grad = make(aten.add.Tensor, grad, args.pending_full)
+        if args.divide_factor not in (None, 1.0):  # summed over one rank, then divided
+            _, factor = reduce_op(grad.meta["val"].dtype, 1, args.divide_factor)
+            grad = make(aten.mul.Tensor, grad, factor)
         if args.pending_partial is not None:
             shape = list(grad.meta["val"].shape)
             grad = make(aten.add.Tensor, grad,
@@ -155,7 +160,8 @@ def _reduce_coalesced(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
                       layouts: list[Dim0Layout], world: int, group: str) -> list[fx.Node]:
     """One coalesced reduce-scatter of each gradient's rank-major layout; each output is
     this rank's padded piece of one parameter, cut to its rows."""
-    op, factor = reduce_op(columns[0].meta["val"].dtype, world)
+    op, factor = reduce_op(columns[0].meta["val"].dtype, world,
+                           marker_args(bucket.nodes[0]).divide_factor)
     inputs = []
     for column in columns:
         flat = make(aten.view.default, column, [-1])
@@ -179,7 +185,7 @@ def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
     matrix = columns[0] if len(columns) == 1 else make(aten.cat.default, columns, 1)
     flat = make(aten.view.default, matrix, [-1])
     kind = "all_to_all" if all_to_all else "reduce_scatter"
-    reduced = _reduce(make, kind, flat, world, group)
+    reduced = _reduce(make, kind, flat, world, group, first.divide_factor)
     reduced.meta["graphshard"] = {
         "kind": "reduce_grad",
         "bucket": bucket.index,
@@ -189,13 +195,14 @@ def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
         reduced.meta["graphshard"]["group_size"] = world
     result = make(c10d.wait_tensor.default, reduced)
     if all_to_all:  # every rank's copy of this rank's pieces, summed in rank order
-        op, _ = reduce_op(flat.meta["val"].dtype, world)
+        op, _ = reduce_op(flat.meta["val"].dtype, world, first.divide_factor)
         result = sum_received(make, result, world, average=op == "avg")
     pending = [marker_args(n).pending_partial for n in bucket.nodes]
     if any(p is not None for p in pending):  # reduce-scattered partials (HSDP)
         result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
     if first.all_reduce and first.replica_size > 1:
-        across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group)
+        across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group,
+                         None if first.divide_factor is None else 1.0)  # divided already
         across.meta["graphshard"] = {
             "kind": "replica_reduce",
             "bucket": bucket.index,
@@ -222,9 +229,11 @@ def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
     return shards
 
 
-def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str) -> fx.Node:
-    """An averaging collective over ``size`` ranks, dividing first where the dtype needs it."""
-    op, factor = reduce_op(flat.meta["val"].dtype, size)
+def _reduce(make: NodeMaker, kind: str, flat: fx.Node, size: int, group: str,
+            divide_factor: float | None = None) -> fx.Node:
+    """An averaging collective over ``size`` ranks, dividing first where the dtype needs it
+    (with ``divide_factor``: a sum, multiplied by the factor's inverse first)."""
+    op, factor = reduce_op(flat.meta["val"].dtype, size, divide_factor)
     if factor != 1.0:
         flat = make(aten.mul.Tensor, flat, factor)
     if kind == "reduce_scatter":

@@ -46,22 +46,26 @@ _lib = torch.library.Library("graphshard", "DEF")
 # ``reshard``: RESHARD_KEEP (0, ZeRO-2), RESHARD_FREE (1, ZeRO-3) or RESHARD_AUTO (2: the
 # ``reshard`` pass chooses per bucket against the plan's memory budget); a bool reads as 0/1.
 # ``compute_device`` (CPU offload): the device type the shard is copied to before the gather
-# ('' = gathered where it lives); the last of the per-parameter fields ``shard()`` fixes, so
-# the per-read ones (``sync`` ...) follow it. ``storage`` / ``storage_index``: the flat,
-# padded buffer the bucket's shards live in and this shard's place there, where
-# ``graphshard.api.bucket_storage`` laid the bucket out (the gather may read it as it is).
+# ('' = gathered where it lives). ``divide_factor``: what the ranks' summed gradient is
+# divided by (``shard(gradient_divide_factor=...)``; None: their average); the last of the
+# per-parameter fields ``shard()`` fixes, so the per-read ones (``sync`` ...) follow it.
+# ``storage`` / ``storage_index``: the flat, padded buffer the bucket's shards live in and
+# this shard's place there, where ``graphshard.api.bucket_storage`` laid the bucket out (the
+# gather may read it as it is).
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, int reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, "
-    "str compute_device='', int sync=0, Tensor? accum=None, Tensor? pending_full=None, "
-    "Tensor? pending_partial=None, Tensor? storage=None, int storage_index=-1) -> Tensor"
+    "str compute_device='', float? divide_factor=None, int sync=0, Tensor? accum=None, "
+    "Tensor? pending_full=None, Tensor? pending_partial=None, Tensor? storage=None, "
+    "int storage_index=-1) -> Tensor"
 )
 _lib.define(
     "reduce_grad(Tensor grad, int bucket, str name, int world_size, str group_name, "
     "ScalarType? reduce_dtype=None, ScalarType? out_dtype=None, str replica_group='', "
     "int replica_size=1, bool all_reduce=True, Tensor? pending_full=None, "
-    "Tensor? pending_partial=None, int local_rows=0, str out_device='') -> Tensor"
+    "Tensor? pending_partial=None, int local_rows=0, str out_device='', "
+    "float? divide_factor=None) -> Tensor"
 )
 # The forward's leading all-gathers, bound to the buffers the previous optimizer step
 # gathered (``graphshard.passes.step_prefetch``): ``all_gather_into_tensor(flat, group_size,
@@ -80,7 +84,7 @@ _lib.define(
 # ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
 # local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
 # ``out_device`` (CPU offload): the device type the reduced gradient is copied to, the host
-# where its shard lives ('' = it stays where it was reduced).
+# where its shard lives ('' = it stays where it was reduced). ``divide_factor``: as unshard's.
 
 
 class GradSync:
@@ -113,13 +117,18 @@ REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
 TAKE_PREFETCHED = torch.ops.graphshard.take_prefetched.default
 
 
-def reduce_op(dtype: torch.dtype, group_size: int) -> tuple[str, float]:
+def reduce_op(dtype: torch.dtype, group_size: int,
+              divide_factor: float | None = None) -> tuple[str, float]:
     """The collective's reduce op and the factor applied before it, to average a gradient
-    of ``dtype`` over ``group_size`` ranks.
+    of ``dtype`` over ``group_size`` ranks, or with ``divide_factor`` to sum it and divide
+    by that instead (``shard(gradient_divide_factor=...)``: multiplied by its inverse first,
+    as FSDP2's pre-multiplied sum does; 1.0 is a plain sum).
 
     fp16 overflows when large gradients are summed: it is divided first, then summed. The
     other dtypes use the collective's own average.
     """
+    if divide_factor is not None:
+        return "sum", 1.0 / divide_factor
     if dtype == torch.float16:
         return "sum", 1.0 / group_size
     return "avg", 1.0
@@ -191,6 +200,7 @@ class UnshardSpec(NamedTuple):
     replica_group: str
     replica_size: int
     compute_device: str
+    divide_factor: float | None = None  # None: gradients averaged over the ranks
 
 
 class UnshardArgs(NamedTuple):
@@ -209,6 +219,7 @@ class UnshardArgs(NamedTuple):
     replica_group: str = ""  # HSDP: the group the shard gradients are all-reduced over
     replica_size: int = 1
     compute_device: str = ""  # CPU offload: copy the shard to this device type, then gather
+    divide_factor: float | None = None  # the summed gradient's divisor (None: the average)
     sync: int = GradSync.FULL
     accum: fx.Node | None = None
     pending_full: fx.Node | None = None
@@ -234,6 +245,7 @@ class ReduceGradArgs(NamedTuple):
     pending_partial: fx.Node | None = None
     local_rows: int = 0  # rows of dim 0 the reading rank holds (rank-dependent)
     out_device: str = ""  # CPU offload: copy the reduced gradient to this device type
+    divide_factor: float | None = None  # the summed gradient's divisor (None: the average)
 
 
 def marker_args(node: fx.Node) -> UnshardArgs | ReduceGradArgs:

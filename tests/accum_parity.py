@@ -8,7 +8,11 @@ sharded run's reductions must produce. Jobs are ``(case, mode, accum, mesh, prec
 - ``accum``: "sync" (every micro-batch reduced), "no_sync" (held back unreduced) or
   "reduce_scatter" (``no_sync(reduce_scatter=True)``: partials, all-reduced once on HSDP);
 - ``mesh``: "1d" or "2d" (replicate 2 x shard world/2);
-- ``precision``: "fp32" or "bf16/fp32", "bf16/bf16", "fp16/fp16" (param/reduce dtypes).
+- ``precision``: "fp32" or "bf16/fp32", "bf16/bf16", "fp16/fp16" (param/reduce dtypes);
+- optionally ``divide_factor``: ``shard(gradient_divide_factor=...)``, the ranks' gradients
+  summed and divided by it; each rank's loss is then scaled by ``divide_factor / world``
+  (for 1.0, torchtitan's loss already divided by a global count), so that the reference,
+  which averages, is still the answer.
 """
 
 from __future__ import annotations
@@ -76,11 +80,13 @@ def _micro_batch(case: str, step: int, micro: int, rank: int) -> tuple:
 
 
 def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, mesh: str,
-                  precision: str) -> dict:
+                  precision: str, divide_factor: float | None = None) -> dict:
     """Train with gradient accumulation over ``MICRO`` micro-batches; rank-mean losses."""
     torch._dynamo.reset()
     model = graphshard.shard(build(case), _mesh(mesh, world_size),
-                             mixed_precision=_policy(precision))
+                             mixed_precision=_policy(precision),
+                             gradient_divide_factor=divide_factor)
+    loss_scale = 1.0 if divide_factor is None else divide_factor / world_size
     if mode == "eager":
         run = model
     else:
@@ -94,7 +100,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, 
             hold = graphshard.no_sync(model, reduce_scatter=accum == "reduce_scatter")
             with hold if held_back else contextlib.nullcontext():
                 loss = CASES[case].loss(run, _micro_batch(case, step, micro, rank))
-                loss.float().backward()
+                (loss.float() * loss_scale).backward()
             total += loss.detach().float()
         opt.step()
         opt.zero_grad()

@@ -33,6 +33,18 @@ WORLD4_JOBS = [
     ("mlp_odd", "eager", "no_sync", "2d", "fp32"),
     ("mlp_odd", "lowered", "no_sync", "2d", "fp32"),
 ]
+# shard(gradient_divide_factor=...): summed gradients divided by the factor (1.0: a plain sum,
+# each rank's loss divided by the world size instead, as torchtitan divides by global tokens).
+DIVIDE_FACTOR_JOBS = [
+    ("mlp_odd", "eager", "sync", "1d", "fp32", 1.0),
+    ("mlp_odd", "compiled", "no_sync", "1d", "fp32", 1.0),
+    ("llama_untied", "lowered", "sync", "1d", "bf16/fp32", 8.0),
+]
+HSDP_DIVIDE_FACTOR_JOBS = [
+    ("mlp_odd", "eager", "reduce_scatter", "2d", "fp32", 1.0),
+    ("mlp_odd", "lowered", "reduce_scatter", "2d", "fp32", 1.0),
+    ("mlp_odd", "lowered", "sync", "2d", "fp32", 2.0),
+]
 # Divide factors in low precision: 1/shards per micro-batch, 1/world overall.
 WORLD4_LOW_JOBS = [
     ("mlp_odd", "eager", "reduce_scatter", "2d", "fp16/fp16"),
@@ -44,16 +56,18 @@ WORLD4_LOW_JOBS = [
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_ranks(run_jobs, 2, WORLD2_JOBS + MP_JOBS + list(FSDP2_JOBS.values()))
+    return run_ranks(run_jobs, 2, WORLD2_JOBS + MP_JOBS + list(FSDP2_JOBS.values())
+                     + DIVIDE_FACTOR_JOBS)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_ranks(run_jobs, 4, WORLD4_JOBS + WORLD4_LOW_JOBS)
+    return run_ranks(run_jobs, 4, WORLD4_JOBS + WORLD4_LOW_JOBS + HSDP_DIVIDE_FACTOR_JOBS)
 
 
 def _ids(jobs):
-    return ["-".join(job[1:4]) + "-" + job[0] for job in jobs]
+    return ["-".join(job[1:4]) + "-" + job[0] + "".join(f"-divide{f:g}" for f in job[5:])
+            for job in jobs]
 
 
 @pytest.mark.parametrize("job", WORLD2_JOBS, ids=_ids(WORLD2_JOBS))
@@ -68,6 +82,31 @@ def test_hsdp_matches_single_process(world4, job):
     reference = train_reference(job[0], 4)
     for rank_results in world4:
         assert_matches(rank_results[job], reference)
+
+
+def _assert_divided_as_asked(ranks: list[dict], job: tuple, world_size: int) -> None:
+    """Each rank's loss was scaled by ``factor / world``: summed and divided by the factor,
+    the gradients are the reference's average again. Averaged instead (the option lost),
+    every update would be ``factor / world`` times the reference's."""
+    reference = train_reference(job[0], world_size)
+    if job[4] == "fp32":
+        for rank_results in ranks:
+            assert_matches(rank_results[job], reference)
+        return
+    initial = build(job[0]).state_dict()
+    for rank_results in ranks:
+        error = update_error(rank_results[job]["state"], reference["state"], initial)
+        assert error < 0.05, f"update off by {error:.1%} of the reference update"
+
+
+@pytest.mark.parametrize("job", DIVIDE_FACTOR_JOBS, ids=_ids(DIVIDE_FACTOR_JOBS))
+def test_a_gradient_divide_factor_divides_the_summed_gradients(world2, job):
+    _assert_divided_as_asked(world2, job, 2)
+
+
+@pytest.mark.parametrize("job", HSDP_DIVIDE_FACTOR_JOBS, ids=_ids(HSDP_DIVIDE_FACTOR_JOBS))
+def test_hsdp_divides_the_gradients_summed_over_every_rank_by_the_factor(world4, job):
+    _assert_divided_as_asked(world4, job, 4)
 
 
 @pytest.mark.parametrize("job", WORLD4_LOW_JOBS, ids=_ids(WORLD4_LOW_JOBS))

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import graphshard
+from graphshard.api.sharding import is_sharded, shard_state
 
 
 def test_no_process_group():
@@ -38,6 +39,29 @@ def test_shard_twice_through_compiled_wrapper():
         model = torch.compile(graphshard.shard(nn.Linear(4, 4)), backend="graphshard")
         with pytest.raises(RuntimeError, match="already sharded"):
             graphshard.shard(model)
+
+
+@pytest.mark.parametrize("factor", [0, -2.0, float("nan"), float("inf"), "1", True])
+def test_a_gradient_divide_factor_must_be_a_positive_number(factor):
+    with fake_process_group(2):
+        model = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="gradient_divide_factor must be None .* positive "
+                                             "number"):
+            graphshard.shard(model, gradient_divide_factor=factor)
+        assert not is_sharded(model)  # refused before anything was replaced
+
+
+def test_ranks_compare_their_gradient_divide_factor():
+    """Ranks that divide by different factors would reduce with different ops: the option
+    is in the fingerprint every rank compares at shard()."""
+    from graphshard.safety.fingerprint import shard_fingerprint
+
+    with fake_process_group(2):
+        model = graphshard.shard(nn.Linear(4, 4), gradient_divide_factor=1)
+        fingerprint = shard_fingerprint(shard_state(model))
+        plain = shard_fingerprint(shard_state(graphshard.shard(nn.Linear(4, 4))))
+    assert fingerprint["shard option gradient_divide_factor"] == "1.0"
+    assert plain["shard option gradient_divide_factor"] == "None"
 
 
 def test_three_dimensional_mesh():

@@ -602,6 +602,45 @@ def test_lower_reduce_grad_all_reduces_across_replicas(group):
     assert across.meta["graphshard"]["kind"] == "replica_reduce"
 
 
+def test_lower_reduce_grad_with_a_divide_factor_scales_then_sums_on_every_path(group):
+    """``shard(gradient_divide_factor=4.0)``: the flat buffer is multiplied by 1/4 and
+    summed (FSDP2's pre-multiplied sum), by the reduce-scatter, by the all-to-all (summed
+    after its wait, not averaged) and by the coalesced reduce-scatter; across HSDP replicas
+    the all-reduce sums, the factor applied once. 1.0 is a plain sum, with no multiply."""
+    gm = run("bw", lower_reduce_grad, _bucket_grads(group, 1, divide_factor=4.0))
+    (reduce,) = calls(gm, RS)
+    (scale,) = calls(gm, aten.mul.Tensor)
+    assert reduce.args[:2] == (scale, "sum") and scale.args[1] == 0.25
+    a2a = run("bw", lower_reduce_grad, _bucket_grads(group, 1, divide_factor=4.0),
+              reduce_scatter_via="all_to_all")
+    (scale,) = calls(a2a, aten.mul.Tensor)
+    assert calls(a2a, A2A)[0].args[0] is scale and scale.args[1] == 0.25
+    assert calls(a2a, aten.sum.dim_IntList) and not calls(a2a, aten.div.Tensor)
+    coalesced = run("bw", lower_reduce_grad, _bucket_grads(group, 1, divide_factor=4.0),
+                    reduce_scatter_via="coalesced")
+    (reduce,) = calls(coalesced, c10d.reduce_scatter_tensor_coalesced.default)
+    assert reduce.args[1] == "sum"
+    assert [s.args[1] for s in calls(coalesced, aten.mul.Tensor)] == [0.25, 0.25]
+    hsdp = run("bw", lower_reduce_grad, _bucket_grads(group, 0, divide_factor=1.0,
+                                                       replica_group="rep", replica_size=2))
+    assert calls(hsdp, RS)[0].args[1] == "sum" and calls(hsdp, AR)[0].args[1:] == ("sum", "rep")
+    assert not calls(hsdp, aten.mul.Tensor)
+
+
+def test_lower_reduce_grad_with_a_divide_factor_hands_each_rank_the_divided_sum(group):
+    """Run on both ranks with the reduce-scatter done by hand: each rank gets its rows of
+    the ranks' summed gradients divided by the factor (0-D ``s`` whole)."""
+    torch.manual_seed(0)
+    names = tuple(FULL)
+    grads = [[torch.randn(FULL[n]) for n in names] for _ in range(WORLD)]
+    graphs = [run("bw", lower_reduce_grad, _bucket_grads(group, r, names, divide_factor=4.0))
+              for r in range(WORLD)]
+    for rank, rank_out in enumerate(run_ranks(graphs, grads)):
+        for i, (n, got) in enumerate(zip(names, rank_out, strict=True)):
+            want = Dim0Layout(FULL[n], WORLD).local((grads[0][i] + grads[1][i]) / 4, rank)
+            torch.testing.assert_close(got, want)
+
+
 def test_lower_reduce_grad_issues_each_bucket_at_its_last_gradient(group):
     """Buckets 0 (w0, w2) and 1 (w1), gradients computed w0, w1, w2: bucket 1 is reduced
     once w1's gradient exists, bucket 0 only once w2's does, and each waited at once."""

@@ -278,10 +278,15 @@ ACCUM_JOBS = [
     ("mlp_odd", "lowered", "no_sync", "1d", "fp32"),
     ("odd_params", "lowered", "sync", "1d", "fp32"),
     ("llama_tied", "compiled", "no_sync", "1d", "fp32"),
+    # shard(gradient_divide_factor=4.0): each gradient (the sum over one rank) divided by 4,
+    # the loss scaled by 4 to make up for it; eager and lowered (where it is one multiply)
+    ("mlp_odd", "eager", "sync", "1d", "fp32", 4.0),
+    ("mlp_odd", "lowered", "no_sync", "1d", "fp32", 4.0),
 ]
 
 
-@pytest.mark.parametrize("job", ACCUM_JOBS, ids=["-".join(j[:3]) for j in ACCUM_JOBS])
+@pytest.mark.parametrize("job", ACCUM_JOBS,
+                         ids=["-".join(map(str, j[:3] + j[5:])) for j in ACCUM_JOBS])
 def test_world1_accumulation_matches_single_process(one_rank, job):
     from accum_parity import train_reference, train_sharded
     from parity import assert_matches

@@ -62,10 +62,11 @@ def _unshard_eager(shard, full_shape, *args, **kwargs):
     return gather_full(local, Dim0Layout(full_shape, m.world_size), m.group_name)
 
 
-def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str) -> torch.Tensor:
+def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str,
+            divide_factor: float | None = None) -> torch.Tensor:
+    op, factor = reduce_op(tensor.dtype, group_size, divide_factor)
     if group_size == 1:
-        return tensor.clone()
-    op, factor = reduce_op(tensor.dtype, group_size)
+        return tensor * factor if divide_factor is not None else tensor.clone()
     if factor != 1.0:
         tensor = tensor * factor
     if kind == "reduce_scatter":  # gloo's as an all-to-all, as the compiled path does it
@@ -81,11 +82,13 @@ def _reduce_grad_eager(grad, *args, **kwargs):
     if m.pending_full is not None:
         grad = grad + m.pending_full
     matrix = rank_major(eager, grad, layout)
-    out = _reduce(matrix.view(-1), "reduce_scatter", m.world_size, m.group_name)
+    out = _reduce(matrix.view(-1), "reduce_scatter", m.world_size, m.group_name,
+                  m.divide_factor)
     if m.pending_partial is not None:
         out = out + m.pending_partial.reshape(out.shape)
-    if m.all_reduce and m.replica_size > 1:
-        out = _reduce(out, "all_reduce", m.replica_size, m.replica_group)
+    if m.all_reduce and m.replica_size > 1:  # divided already: summed across replicas
+        out = _reduce(out, "all_reduce", m.replica_size, m.replica_group,
+                      None if m.divide_factor is None else 1.0)
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
     if m.out_device:  # CPU offload: the reduced pieces go back to the host shard (pinned)
@@ -141,7 +144,7 @@ def _unshard_backward(ctx, grad):
     reduced = REDUCE_GRAD(
         grad, m.bucket, m.name, m.world_size, m.group_name, reduce_dtype,
         ctx.shard_dtype if final else m.accum.dtype, m.replica_group, m.replica_size, final,
-        m.pending_full, m.pending_partial, ctx.local_rows, out_device,
+        m.pending_full, m.pending_partial, ctx.local_rows, out_device, m.divide_factor,
     )  # fmt: skip
     grads[0 if final else _ACCUM] = reduced
     return tuple(grads)

@@ -22,6 +22,7 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -347,6 +348,20 @@ def _check_shard_options(module: object, mesh: object, reshard_after_forward: ob
         )
 
 
+def _check_divide_factor(factor: object) -> None:
+    """``gradient_divide_factor`` is None or a positive, finite real number."""
+    if factor is None:
+        return
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if not number or not math.isfinite(factor) or factor <= 0:
+        raise GraphshardValueError(
+            f"graphshard.shard() option gradient_divide_factor must be None (average the "
+            f"gradients over the ranks) or a positive number to divide their sum by (1.0: "
+            f"sum them, for a loss already divided by a global count); got {factor!r} "
+            f"({type(factor).__name__})"
+        )
+
+
 def _refuse_complex_parameters(module: nn.Module) -> None:
     """Complex parameters cannot travel: gloo's all-to-all (the reduce-scatter on gloo) and
     the flat bucket buffers are real-valued. Refused before anything is replaced."""
@@ -417,6 +432,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     offload: CPUOffload | None = None,
     compile_blocks_once: bool = True,
+    gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place across the ranks of ``mesh``.
 
@@ -460,6 +476,13 @@ def shard(
             partitioned and compiled by Inductor once, while their gathers stay in the step
             graph, bucketed and prefetched across blocks (:mod:`graphshard.api.block_regions`).
             False compiles every block on its own, as part of the one step graph.
+        gradient_divide_factor: None (the default) averages each gradient over the ranks
+            (over all of them on an HSDP mesh), as the mean of per-rank mean losses needs. A
+            number ``f`` sums the ranks' gradients and divides the sum by ``f`` instead (each
+            rank's gradient is multiplied by ``1 / f`` before the reduction), as FSDP2's
+            ``set_gradient_divide_factor(f)``: ``1.0`` for a loss each rank already divided
+            by the global count (torchtitan divides its summed loss by the tokens of every
+            rank and turns FSDP's division off this way).
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now DTensors sharded on dim 0.
@@ -488,6 +511,7 @@ def shard(
             f"graphshard.shard() option compile_blocks_once must be True or False, got "
             f"{compile_blocks_once!r} ({type(compile_blocks_once).__name__})"
         )
+    _check_divide_factor(gradient_divide_factor)
     _refuse_sharded_submodules(module)
     _refuse_complex_parameters(module)
     _refuse_sparse_gradients(module)
@@ -528,6 +552,8 @@ def shard(
         bucket_names=bucket_names,
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
         offload=offload, compute_device=compute_device,
+        gradient_divide_factor=(None if gradient_divide_factor is None
+                                else float(gradient_divide_factor)),
     )  # fmt: skip
 
     by_param: dict[int, ShardedParam] = {}
@@ -586,6 +612,7 @@ def shard(
                 replica_group="" if replica_group is None else replica_group.group_name,
                 replica_size=replica_size,
                 compute_device=compute_device,
+                divide_factor=state.gradient_divide_factor,
             )
             specs[pname] = (entry, spec)
         install_reads(sub, specs, state, state_index,
