@@ -53,6 +53,7 @@ def test_fake_world_cases_match_the_tiled_reference_on_the_cpu(cpu_fake_world):
         gpu_cases.case_precision(cpu_fake_world, "eager", precision)
     gpu_cases.case_no_sync(cpu_fake_world, "eager")
     gpu_cases.case_hsdp(cpu_fake_world, "eager")
+    gpu_cases.case_gradient_divide_factor(cpu_fake_world, "eager", replicas=2)
     gpu_cases.case_tensor_parallel(cpu_fake_world, "eager")
     gpu_cases.case_activation_checkpointing(cpu_fake_world, "eager")
     gpu_cases.case_clip_grad_norm(cpu_fake_world, "eager")

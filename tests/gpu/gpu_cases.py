@@ -62,6 +62,21 @@ def case_no_sync(world: World, mode: str, micro: int = 2) -> None:
     check(out, ref, "fp32", _what(world, mode, "no_sync"))
 
 
+def case_gradient_divide_factor(world: World, mode: str, replicas: int = 1) -> None:
+    """``shard(gradient_divide_factor=1.0)`` (torchtitan's setting): the ranks' gradients
+    summed, each rank's loss divided by the world size first, so the update is the
+    reference's average again; on ``replicas`` x world / replicas the sum spans both."""
+    job = llama_job()
+    scaled = Job(job.build, job.batch, lambda model, batch: job.loss(model, batch) / world.size)
+    mesh = (None if replicas == 1
+            else world.mesh((replicas, world.size // replicas), ("replicate", "shard")))
+    out = train(world, shard_job(world, scaled, mesh=mesh, gradient_divide_factor=1.0),
+                scaled, mode)
+    out.losses = [loss * world.size for loss in out.losses]
+    ref = reference(job, world.device, shapes=out.local_shapes)
+    check(out, ref, "fp32", _what(world, mode, f"gradient_divide_factor {replicas} replicas"))
+
+
 def case_hsdp(world: World, mode: str, replicas: int = 2) -> None:
     """HSDP: a (replicate, shard) mesh, ``replicas`` x world / replicas."""
     mesh = world.mesh((replicas, world.size // replicas), ("replicate", "shard"))

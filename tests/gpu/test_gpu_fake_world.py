@@ -2,9 +2,10 @@
 the other 7 ranks are imagined to hold what rank 0 holds. Each case is checked against one
 process training the model the fake world computes (rank 0's blocks tiled, see
 ``gpu_harness``), eager and compiled: fp32, bf16 and fp16 mixed precision, ``no_sync``,
-HSDP 2 x 4, tensor parallel dp 4 x tp 2, activation checkpointing, ``step_prefetch``,
-coalesced collectives, ``clip_grad_norm_`` on the local path against DTensor's, and
-meta-device construction with ``init_weights`` or a broadcast load."""
+HSDP 2 x 4 (also summing with ``gradient_divide_factor=1.0``), tensor parallel dp 4 x tp 2,
+activation checkpointing, ``step_prefetch``, coalesced collectives, ``clip_grad_norm_`` on
+the local path against DTensor's, and meta-device construction with ``init_weights`` or a
+broadcast load."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def test_precision(fake_world8, precision, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_no_sync(fake_world8, mode):
     gpu_cases.case_no_sync(fake_world8, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_divide_factor_hsdp_2x4(fake_world8, mode):
+    gpu_cases.case_gradient_divide_factor(fake_world8, mode, replicas=2)
 
 
 @pytest.mark.parametrize("mode", MODES)
