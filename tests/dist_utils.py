@@ -12,6 +12,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -55,8 +56,10 @@ def in_launch_env(rank: int, env: dict[str, str], fn: Callable[..., Any], *args:
     """Run ``fn(rank, *args)`` with the launching process's environment ``env``: a forked
     rank would otherwise see the fork server's, as it was when the server started. A rank
     killed by a signal (SIGSEGV, SIGABRT from glibc's heap checks) prints every thread's
-    Python stack to the test's captured stderr first."""
+    Python stack to the test's captured stderr first; so does a rank the launcher terminates
+    (SIGTERM) because another failed: where a hung rank was stuck."""
     faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     os.environ.clear()
     os.environ.update(env)
     return fn(rank, *args)
