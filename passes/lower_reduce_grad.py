@@ -53,7 +53,7 @@ from graphshard.passes.fx_util import (
     replace_and_erase,
 )
 from graphshard.passes.layout import Dim0Layout, local_from_reduced, rank_major, sum_received
-from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op
+from graphshard.passes.markers import is_reduce_grad, marker_args, reduce_op, replica_divide_factor
 from graphshard.passes.plan import Bucket, Plan, collect_buckets, use_all_to_all
 
 __all__ = ["lower_reduce_grad"]
@@ -202,7 +202,7 @@ def _reduce_flat(make: NodeMaker, bucket: Bucket, columns: list[fx.Node],
         result = make(aten.add.Tensor, result, _flat(make, pending, layouts))
     if first.all_reduce and first.replica_size > 1:
         across = _reduce(make, "all_reduce", result, first.replica_size, first.replica_group,
-                         None if first.divide_factor is None else 1.0)  # divided already
+                         replica_divide_factor(first.divide_factor))
         across.meta["graphshard"] = {
             "kind": "replica_reduce",
             "bucket": bucket.index,

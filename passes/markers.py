@@ -35,6 +35,7 @@ __all__ = [
     "RESHARD_AUTO",
     "reshard_code",
     "reduce_op",
+    "replica_divide_factor",
     "reduced_shape",
 ]
 
@@ -132,6 +133,13 @@ def reduce_op(dtype: torch.dtype, group_size: int,
     if dtype == torch.float16:
         return "sum", 1.0 / group_size
     return "avg", 1.0
+
+
+def replica_divide_factor(divide_factor: float | None) -> float | None:
+    """The ``divide_factor`` of HSDP's all-reduce across replicas, after the reduce-scatter
+    applied ``divide_factor``: None (an average) stays None; a factor was applied already,
+    so the replicas sum (1.0)."""
+    return None if divide_factor is None else 1.0
 
 
 @torch.library.register_fake("graphshard::unshard")

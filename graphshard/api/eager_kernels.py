@@ -38,6 +38,7 @@ from graphshard.passes.markers import (
     ReduceGradArgs,
     UnshardArgs,
     reduce_op,
+    replica_divide_factor,
 )
 
 _c10d = torch.ops._c10d_functional
@@ -86,9 +87,9 @@ def _reduce_grad_eager(grad, *args, **kwargs):
                   m.divide_factor)
     if m.pending_partial is not None:
         out = out + m.pending_partial.reshape(out.shape)
-    if m.all_reduce and m.replica_size > 1:  # divided already: summed across replicas
+    if m.all_reduce and m.replica_size > 1:
         out = _reduce(out, "all_reduce", m.replica_size, m.replica_group,
-                      None if m.divide_factor is None else 1.0)
+                      replica_divide_factor(m.divide_factor))
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
     if m.out_device:  # CPU offload: the reduced pieces go back to the host shard (pinned)
