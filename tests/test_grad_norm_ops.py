@@ -114,3 +114,49 @@ def test_a_gradient_on_a_new_spec_is_checked_again(fake2, served):
     assert len(served) == len(grads)
     assert norms[0].placements == (Replicate(),)
     assert all(n.placements[0].is_partial() for n in norms[1:])
+
+
+def test_shard_while_a_dead_models_finalizers_run_inside_it(fake2, monkeypatch):
+    """A collection may start at any allocation, including the one that makes a finalizer
+    inside ``shard()``, and then runs the finalizers of sharded models that are garbage.
+    Those must not wait for a lock ``shard()`` holds there: until 2026-12-03 one did, and a
+    rank of a test launch hung in ``shard()`` (a barrier timeout on the others). Here, at
+    every finalizer ``shard()`` makes, another sharded model dies in a reference cycle and a
+    collection frees it."""
+    import gc
+    import threading
+    import weakref
+
+    doomed = []
+    for _ in range(8):
+        model = sharded_with_grads(OddMLP)
+        model.itself = model  # a cycle: refcounting alone never frees it
+        doomed.append(model)
+    freed = [weakref.ref(model) for model in doomed]
+    del model
+    real_finalize = weakref.finalize
+
+    def finalize_as_another_model_dies(*args, **kwargs):
+        if doomed:
+            doomed.pop()
+        gc.collect()  # what the allocation of the finalizer may start
+        return real_finalize(*args, **kwargs)
+
+    monkeypatch.setattr(weakref, "finalize", finalize_as_another_model_dies)
+    gc.disable()  # nothing else collects the cycles
+    try:
+        done = []
+        worker = threading.Thread(target=lambda: done.append(sharded_with_grads(OddMLP)),
+                                  daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+    finally:
+        gc.enable()
+    assert not worker.is_alive(), "shard() hung in a dead model's finalizer"
+    assert done and sum(ref() is None for ref in freed) >= 2  # models died inside shard()
+    grads = [p.grad for p in done[0].parameters()]
+    for _ in range(2):  # the live model's norms: the second call served locally
+        total = torch.nn.utils.get_total_norm(grads)
+    with grad_norm_ops.dtensor_dispatch():
+        expected = torch.nn.utils.get_total_norm(grads)
+    assert torch.equal(total.full_tensor(), expected.full_tensor())

@@ -78,9 +78,11 @@ def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]
     registered once; ops that already have one keep it."""
     global _installed
     ids = {id(param) for param in params}
+    # outside the lock: making the finalizer may start a collection, which runs the
+    # finalizers of models that are garbage (they take no lock either)
+    weakref.finalize(root, _forget, ids)
     with _lock:
         _SHARD_IDS.update(ids)
-        weakref.finalize(root, _forget, ids)
         if _installed:
             return
         handlers = DTensor._op_dispatcher._custom_op_handlers
@@ -91,7 +93,8 @@ def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]
 
 def _forget(ids: set[int]) -> None:
     """A sharded model is garbage: its parameters' ids, and every remembered list of specs
-    (which holds its specs, and through them its mesh), go."""
+    (which holds its specs, and through them its mesh), go. A finalizer, run by whatever
+    allocation started the collection: it takes no lock (one set operation is atomic)."""
     _SHARD_IDS.difference_update(ids)
     _AGREED.clear()
 

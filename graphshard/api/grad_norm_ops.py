@@ -60,6 +60,10 @@ _local_of = attrgetter("_local_tensor")
 _lock = threading.Lock()
 # id of a mesh of graphshard's parameters -> how many live sharded models use it
 _MESHES: Counter[int] = Counter()
+# the mesh ids of sharded models found garbage, counted down in _MESHES under the lock later
+# (by :func:`_reap`): a finalizer runs inside whatever allocation started the collection,
+# possibly while this thread holds the lock, so it must never take it
+_DEAD: list[set[int]] = []
 # (the list's spec ids, the other arguments) -> (the list's specs, which keep the ids valid;
 # the norms' specs)
 _KNOWN: dict[tuple, tuple[list, list]] = {}
@@ -72,9 +76,12 @@ def run_grad_norm_ops_locally(root: torch.nn.Module, meshes: Iterable[Any]) -> N
     that gives DTensor's own result (module docstring). The handler stands aside where the op
     already has another."""
     ids = {id(mesh) for mesh in meshes}
+    # outside the lock: making the finalizer may start a collection, which runs the
+    # finalizers of models that are garbage (a hang until 2026-12-03)
+    weakref.finalize(root, _forget, ids)
     with _lock:
+        _reap()
         _MESHES.update(ids)
-        weakref.finalize(root, _forget, ids)
     DTensor._op_dispatcher._custom_op_handlers.setdefault(_NORMS, _norms)
 
 
@@ -85,14 +92,21 @@ def dtensor_dispatch() -> contextlib.AbstractContextManager[None]:
 
 
 def _forget(ids: set[int]) -> None:
-    """A sharded model is garbage: its meshes' counts fall, and the remembered specs (which
-    hold meshes) go."""
-    with _lock:
+    """A sharded model is garbage (its finalizer): the remembered specs (which hold meshes)
+    go, and its meshes are set aside for :func:`_reap`. Takes no lock: the collection that
+    runs this may have started inside this very thread's critical section."""
+    _DEAD.append(ids)
+    _KNOWN.clear()
+
+
+def _reap() -> None:
+    """The meshes of models found garbage stop counting (the caller holds the lock)."""
+    while _DEAD:
+        ids = _DEAD.pop()
         _MESHES.subtract(ids)
         for mesh_id in ids:
             if _MESHES[mesh_id] <= 0:
                 del _MESHES[mesh_id]
-        _KNOWN.clear()
 
 
 def _owned(spec: Any) -> bool:
@@ -126,6 +140,8 @@ def _norms(op: Any, args: tuple, kwargs: dict) -> Any:
         norms = op(list(map(_local_of, tensors)), *args[1:], **kwargs)
         return [wrap_local(norm, spec) for norm, spec in zip(norms, known[1], strict=True)]
     out = through_dtensor(op, args, kwargs)
+    with _lock:
+        _reap()
     if (all(map(_owned, specs))
             and all(isinstance(norm, DTensor) and _reduced_locally(spec, norm._spec)
                     for spec, norm in zip(specs, out, strict=True))
