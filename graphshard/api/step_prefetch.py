@@ -160,7 +160,7 @@ def wait_issued() -> None:
     For timing: a benchmark that runs other work between a step and the next forward calls
     it at the end of the step, so the gathers are not hidden under work a training loop
     would not have there."""
-    for slot in _SLOTS.values():
+    for slot in list(_SLOTS.values()):  # a collected model's _forget may pop meanwhile
         slot.work.wait()
 
 
