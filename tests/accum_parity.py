@@ -66,7 +66,40 @@ class RereadAcrossBreak(nn.Module):
         return MLPOutput(torch.nn.functional.mse_loss(x, y), x)
 
 
-CASES = {**parity.CASES, "reread_break": Case(RereadAcrossBreak, parity.CASES["mlp_odd"].batch)}
+class ScaledByItsNorm(nn.Module):
+    """A residual block that reads its weight under ``torch.no_grad()`` before the read that
+    trains (a statistic taken as a constant: a scale, a logged norm). Traced, the two reads are
+    two markers of one parameter, the first without autograd history; the parameter's
+    gradient must come from the second, and what no_sync held back must be folded into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(13, 13) / 4)
+        self.bias = nn.Parameter(torch.zeros(13))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.weight.abs().mean()
+        return x + torch.tanh(torch.nn.functional.linear(x, self.weight, self.bias)) * scale
+
+
+class NoGradReadsFirst(nn.Module):
+    """Three :class:`ScaledByItsNorm` blocks under a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledByItsNorm() for _ in range(3))
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        x = self.out(x)
+        return MLPOutput(torch.nn.functional.mse_loss(x, y), x)
+
+
+CASES = {**parity.CASES, "reread_break": Case(RereadAcrossBreak, parity.CASES["mlp_odd"].batch),
+         "no_grad_read_first": Case(NoGradReadsFirst, parity.CASES["mlp_odd"].batch)}
 
 
 def build(case: str) -> nn.Module:

@@ -16,6 +16,9 @@ WORLD2_JOBS = [
     ("mlp_odd", "eager", "sync", "1d", "fp32"),
     ("mlp_odd", "compiled", "sync", "1d", "fp32"),
     ("llama_untied", "lowered", "no_sync", "1d", "fp32"),
+    # each block reads its weight under torch.no_grad() before the read that trains
+    ("no_grad_read_first", "compiled", "no_sync", "1d", "fp32"),
+    ("no_grad_read_first", "eager", "no_sync", "1d", "fp32"),
 ]
 MP_JOBS = [
     ("mlp_odd", "eager", "sync", "1d", "bf16/fp32"),

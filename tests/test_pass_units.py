@@ -200,6 +200,21 @@ def test_dedupe_merges_reads_of_a_plain_input(group):
     assert [a is marker for add in calls(gm, torch.add) for a in add.args].count(True) == 3
 
 
+def test_dedupe_never_points_a_read_that_trains_at_one_without_gradients(group):
+    """Reads of ``w`` traced under no_grad, with grad, no_grad, grad (Dynamo's example value
+    says which): the first read that trains keeps its own marker (pointed at the no-grad one,
+    the parameter got no gradient at all), and every later read shares it."""
+    gm = _dynamo_reads(group, ["w"] * 4)
+    for marker, trains in zip(calls(gm, UNSHARD), [False, True, False, True], strict=True):
+        marker.meta["example_value"] = torch.empty(4, 8, requires_grad=trains)
+    gm = run("dynamo", dedupe_unshard, gm)
+    first, training = calls(gm, UNSHARD)
+    assert not first.meta["example_value"].requires_grad
+    assert training.meta["example_value"].requires_grad
+    reads = [calls(gm, torch.add)[0].args[0]] + [add.args[1] for add in calls(gm, torch.add)]
+    assert reads == [first, training, training, training]
+
+
 def test_dedupe_keeps_one_marker_per_distinct_parameter(group):
     """Different parameters are not merged, even with the same shape and bucket."""
     gm = run("dynamo", dedupe_unshard, _dynamo_reads(group, ["w", "v", "w"]))

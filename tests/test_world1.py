@@ -282,6 +282,10 @@ ACCUM_JOBS = [
     # the loss scaled by 4 to make up for it; eager and lowered (where it is one multiply)
     ("mlp_odd", "eager", "sync", "1d", "fp32", 4.0),
     ("mlp_odd", "lowered", "no_sync", "1d", "fp32", 4.0),
+    # a weight read under torch.no_grad() before the read that trains: compiled, it got no
+    # gradient at all (the traced reads were merged into the first), and once given one, no
+    # held-back gradient (the first read took it)
+    ("no_grad_read_first", "compiled", "no_sync", "1d", "fp32"),
 ]
 
 

@@ -101,7 +101,10 @@ def _read_param(
             "set_model_state_dict(..., StateDictOptions(full_state_dict=True, "
             "broadcast_from_rank0=True))) before running it."
         )
-    if not shard.requires_grad:
+    if not shard.requires_grad or not torch.is_grad_enabled():
+        # a read that records no gradient (under ``torch.no_grad()``; while Dynamo traces,
+        # the local is a plain input that requires grad either way) must not take no_sync's
+        # held-back gradient: no backward of it would fold that in
         return UNSHARD(shard, *spec)
     if sync == GradSync.NONE:
         return UNSHARD(shard, *spec, sync, entry.unreduced)
