@@ -14,6 +14,7 @@ from graphshard.api.clip_grad import clip_grad_norm_
 from graphshard.api.eager_roots import EagerForwardWarning
 from graphshard.api.forward_methods import register_forward_method
 from graphshard.api.grad_sync import no_sync, set_requires_all_reduce, set_requires_gradient_sync
+from graphshard.api.held_gathers import Unsharded, unshard
 from graphshard.api.mixed_precision import MixedPrecision
 from graphshard.api.offload import CPUOffload
 from graphshard.api.sharding import shard
@@ -60,6 +61,8 @@ __all__ = [
     "set_requires_gradient_sync",
     "set_requires_all_reduce",
     "clip_grad_norm_",
+    "unshard",
+    "Unsharded",
     "MIN_TORCH",
 ]
 __version__ = "0.1.0"

@@ -92,6 +92,9 @@ class ShardState:
     # gathered at each depth of counted calls
     eager_gathered: dict = field(default_factory=dict)
     eager_gathered_at: dict = field(default_factory=dict)
+    # gathered copies graphshard.unshard(model) holds for reads without gradients
+    # (graphshard.api.held_gathers): parameter name -> eager_gathers.HeldCopy
+    held_gathered: dict = field(default_factory=dict)
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

@@ -15,6 +15,7 @@ from training_loops_jobs import (
     MUON_STEPS,
     RNN_MODES,
     RNN_STEPS,
+    ROLLOUT_OPTIMIZERS,
     STEPS,
     build,
     muon_model,
@@ -22,6 +23,7 @@ from training_loops_jobs import (
     reference_experts,
     reference_muon,
     reference_recurrent,
+    reference_rollout,
     reference_two_models,
     run_jobs,
 )
@@ -34,7 +36,8 @@ BLOCK_COMPILES = ("module_compile", "wrapped")
 JOBS = ([("two_models", mode) for mode in MODES]
         + [("block_compile", how) for how in BLOCK_COMPILES]
         + [("experts", mode) for mode in MODES] + [("muon", "eager")]
-        + [("recurrent", mode) for mode in RNN_MODES])
+        + [("recurrent", mode) for mode in RNN_MODES]
+        + [("rollout", optimizer) for optimizer in ROLLOUT_OPTIMIZERS])
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,25 @@ def test_torchs_recurrent_layers_train_like_one_process_compiled_or_not(ranks, m
             assert res["warned"] == [], res["warned"]
         else:  # torch 2.11's Dynamo re-reads the weights eagerly after the graph, and says so
             assert all("2.13 and later trace it whole" in m for m in res["warned"]), res["warned"]
+
+
+@pytest.mark.parametrize("optimizer", ROLLOUT_OPTIMIZERS)
+def test_an_rl_step_inside_unshard_samples_and_trains_like_one_process(ranks, optimizer):
+    """``graphshard.unshard(model)`` around an RL step of a Hugging Face Llama: greedy
+    samples, a training step on them, then scores and samples again. Every value matches one
+    process: the samples, the trained parameters, and the scores and samples after the step
+    (the held copies, stale after it, were gathered again), with torch's SGD through the
+    DTensors and with fused AdamW run on the local shards. Gathers inside the hold, after
+    its own: one per parameter for the training forward (a held copy has no autograd
+    history) and one after the step; none for the 2 x 4 decoding steps."""
+    plain = reference_rollout(WORLD, optimizer)
+    for rank, res in enumerate(_result(ranks, ("rollout", optimizer))):
+        assert torch.equal(res["samples"], plain["samples"][rank])
+        _assert_state(res["state"], plain["state"])
+        torch.testing.assert_close(res["logits"], plain["logits"][rank], rtol=1e-4, atol=1e-5)
+        assert torch.equal(res["again"], plain["again"][rank])
+        assert res["held"] == res["params"]
+        assert res["gathers"] == 2 * res["params"], res["gathers"]
 
 
 def test_muon_steps_the_shards_as_on_fsdp2s_parameters(ranks):

@@ -22,9 +22,11 @@ the same means (every rank holds as many rows).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 import warnings
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -471,10 +473,90 @@ def reference_recurrent(world_size: int) -> dict:
     return {"losses": [loss.item() for loss in losses], "state": state({"": model})}
 
 
+# ------------------------------------------------------------------ rollouts (unshard)
+
+ROLLOUT_OPTIMIZERS = ("sgd", "adamw_fused")
+
+
+def _rollout_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """SGD (torch's step through the DTensors) or fused AdamW (graphshard steps the local
+    shards): a held copy must see either update."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, fused=True)
+
+
+def _greedy(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
+    """Four greedy new tokens after ``prompt``, without gradients."""
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                              max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                              pad_token_id=0)
+
+
+def rollout(model: nn.Module, optimizer: str, prompts: list[torch.Tensor]) -> dict:
+    """An RL step as users write it, on ``prompts`` (one per rank, or all ranks' in one
+    process): sample greedily, train on the samples, then score them and sample again with
+    the updated weights. ``hold(model)`` wraps the whole (``graphshard.unshard`` on ranks)."""
+    opt = _rollout_optimizer(optimizer, model.parameters())
+    samples = [_greedy(model, prompt) for prompt in prompts]
+    _mean([model(input_ids=ids, labels=ids).loss for ids in samples]).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        logits = [model(input_ids=ids).logits for ids in samples]
+    return {"samples": samples, "logits": logits,
+            "again": [_greedy(model, prompt) for prompt in prompts]}
+
+
+def rollout_prompt(rank: int) -> torch.Tensor:
+    return token_ids(0, rank)[:, :4]
+
+
+def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
+    """:func:`rollout` inside ``graphshard.unshard(model)``: generation reads held copies
+    (no gather after the first), the training forward gathers as always, and the optimizer
+    step makes the held copies stale, so the reads after it gather again."""
+    from graphshard.passes.markers import UNSHARD
+
+    model = llama()
+    graphshard.shard(model)
+    gathers = Counter()
+    with graphshard.unshard(model) as held, _count_gathers(gathers):
+        held_names = held.parameter_names
+        result = rollout(model, optimizer, [rollout_prompt(rank)])
+    return {**{key: value[0] for key, value in result.items()},
+            "held": len(held_names), "gathers": gathers[UNSHARD],
+            "params": len(list(model.parameters())),
+            "state": {name: full(p) for name, p in model.named_parameters()}}
+
+
+def reference_rollout(world_size: int, optimizer: str) -> dict:
+    """:func:`rollout` of every rank's prompt in one process."""
+    model = llama()
+    result = rollout(model, optimizer, [rollout_prompt(r) for r in range(world_size)])
+    return {**result, "state": state({"": model})}
+
+
+@contextlib.contextmanager
+def _count_gathers(counts: Counter):
+    """Count the ops dispatched while active (the eager gathers are ``graphshard::unshard``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield
+
+
 # --------------------------------------------------------------------------- launch
 
 JOBS = {"two_models": job_two_models, "block_compile": job_block_compile,
-        "experts": job_experts, "muon": job_muon, "recurrent": job_recurrent}
+        "experts": job_experts, "muon": job_muon, "recurrent": job_recurrent,
+        "rollout": job_rollout}
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:

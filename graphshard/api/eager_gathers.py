@@ -28,7 +28,55 @@ import torch
 from graphshard.records import ShardState
 from graphshard.safety.mutation import check_unchanged
 
-__all__ = ["read_once", "release"]
+__all__ = ["HeldCopy", "read_once", "release", "served_copy"]
+
+
+class HeldCopy:
+    """A gathered parameter :func:`graphshard.unshard` holds
+    (:mod:`graphshard.api.held_gathers`): the copy and its version counter, the sharded
+    parameter it came from, and what tells that the parameter changed since: the version
+    counters of the DTensor and of its local shard, and the model's count of optimizer steps.
+    An update through the DTensor (``param.mul_()``, ``load_state_dict``) counts on the
+    DTensor only, one of the local tensor on it only, and graphshard's fused optimizer step
+    (:mod:`graphshard.api.fused_optimizer_ops`, which runs below DTensor's dispatch) on
+    neither: an optimizer step over the model makes every held copy stale."""
+
+    __slots__ = ("full", "full_version", "param", "local", "versions")
+
+    def __init__(self, full: torch.Tensor, param: torch.Tensor, optimizer_steps: int) -> None:
+        self.full = full
+        self.full_version = full._version
+        self.param = param
+        self.local = param._local_tensor
+        self.versions = (param._version, self.local._version, optimizer_steps)
+
+    def is_current(self, param: torch.Tensor, optimizer_steps: int) -> bool:
+        """Whether ``param`` (the sharded parameter now) is the one gathered, over the same
+        local shard, unchanged since and with no optimizer step taken."""
+        local = param._local_tensor
+        return (param is self.param and local is self.local
+                and (param._version, local._version, optimizer_steps) == self.versions)
+
+
+def served_copy(state: ShardState, name: str, param: torch.Tensor,
+                gather: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """For an eager read of parameter ``name`` (the sharded DTensor ``param``) that records
+    no gradient: the copy :func:`graphshard.unshard` holds for it, gathered again by
+    ``gather()`` first when the parameter was updated since; and whether it was gathered now.
+    None when nothing holds it, or when the read records gradients (a held copy has no
+    autograd history)."""
+    if not state.held_gathered or torch.is_grad_enabled():
+        return None
+    held = state.held_gathered.get(name)
+    if held is None:
+        return None
+    if held.is_current(param, state.optimizer_steps):
+        return held.full, False
+    check_unchanged(held.full, held.full_version, name)  # a write to it would be lost
+    with torch.inference_mode(False):  # the copy serves later reads outside inference mode
+        full = gather()
+    state.held_gathered[name] = HeldCopy(full, param, state.optimizer_steps)
+    return full, True
 
 
 def read_once(state: ShardState, name: str, gather: Callable[[], torch.Tensor]

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
-from graphshard.api.eager_gathers import read_once
+from graphshard.api.eager_gathers import read_once, served_copy
 from graphshard.api.eager_roots import note_eager_read_under_compile, run_eagerly_as_root
 from graphshard.api.functional_calls import exporting, refuse_export
 from graphshard.api.local_inputs import (
@@ -231,7 +231,9 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     if state.forward_depth == 0:  # in a backward, outside any forward
         return gathered_param(self, name, state)
     param_name = entry.names[0]
-    full, gathered = read_once(state, param_name, lambda: gathered_param(self, name, state))
+    gather = lambda: gathered_param(self, name, state)  # noqa: E731
+    served = served_copy(state, param_name, given, gather)  # graphshard.unshard
+    full, gathered = served if served is not None else read_once(state, param_name, gather)
     if gathered:
         note_eager_read(state, full, param_name)
         if state.compiled_call:
