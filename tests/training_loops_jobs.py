@@ -486,27 +486,28 @@ def _rollout_optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, fused=True)
 
 
-def _greedy(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
-    """Four greedy new tokens after ``prompt``, without gradients."""
+def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``new_tokens`` greedy new tokens after ``prompt``, without gradients."""
     with torch.no_grad():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                              max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                              pad_token_id=0)
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
 
 
-def rollout(model: nn.Module, optimizer: str, prompts: list[torch.Tensor]) -> dict:
-    """An RL step as users write it, on ``prompts`` (one per rank, or all ranks' in one
-    process): sample greedily, train on the samples, then score them and sample again with
-    the updated weights. ``hold(model)`` wraps the whole (``graphshard.unshard`` on ranks)."""
+def rollout(model: nn.Module, optimizer: str, prompts: dict[int, torch.Tensor]) -> dict:
+    """An RL step as users write it, on ``prompts`` (rank -> its prompt: this rank's, or
+    every rank's in one process): sample greedily (rank r's samples are 3 + r tokens longer
+    than its prompt: the ranks decode different numbers of steps), train on the samples,
+    then score them and sample again with the updated weights."""
     opt = _rollout_optimizer(optimizer, model.parameters())
-    samples = [_greedy(model, prompt) for prompt in prompts]
+    samples = [_greedy(model, prompt, 3 + rank) for rank, prompt in prompts.items()]
     _mean([model(input_ids=ids, labels=ids).loss for ids in samples]).backward()
     opt.step()
     opt.zero_grad()
     with torch.no_grad():
         logits = [model(input_ids=ids).logits for ids in samples]
     return {"samples": samples, "logits": logits,
-            "again": [_greedy(model, prompt) for prompt in prompts]}
+            "again": [_greedy(model, prompt, 3 + rank) for rank, prompt in prompts.items()]}
 
 
 def rollout_prompt(rank: int) -> torch.Tensor:
@@ -515,8 +516,9 @@ def rollout_prompt(rank: int) -> torch.Tensor:
 
 def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
     """:func:`rollout` inside ``graphshard.unshard(model)``: generation reads held copies
-    (no gather after the first), the training forward gathers as always, and the optimizer
-    step makes the held copies stale, so the reads after it gather again."""
+    and runs no collective, so the ranks may decode different numbers of steps (gathering
+    per call, they would pair their gathers wrongly); the training forward gathers as always,
+    and the optimizer step makes the held copies stale, so the reads after it gather again."""
     from graphshard.passes.markers import UNSHARD
 
     model = llama()
@@ -524,7 +526,7 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
     gathers = Counter()
     with graphshard.unshard(model) as held, _count_gathers(gathers):
         held_names = held.parameter_names
-        result = rollout(model, optimizer, [rollout_prompt(rank)])
+        result = rollout(model, optimizer, {rank: rollout_prompt(rank)})
     return {**{key: value[0] for key, value in result.items()},
             "held": len(held_names), "gathers": gathers[UNSHARD],
             "params": len(list(model.parameters())),
@@ -534,7 +536,7 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
 def reference_rollout(world_size: int, optimizer: str) -> dict:
     """:func:`rollout` of every rank's prompt in one process."""
     model = llama()
-    result = rollout(model, optimizer, [rollout_prompt(r) for r in range(world_size)])
+    result = rollout(model, optimizer, {r: rollout_prompt(r) for r in range(world_size)})
     return {**result, "state": state({"": model})}
 
 

@@ -17,6 +17,9 @@ each module's parameters after it, as before. A read under another grad mode, or
 ``torch.inference_mode()``, gathers its own copy (a copy without autograd history must not
 serve a read that trains). When a call returns, its copies are checked for in-place updates
 (:mod:`graphshard.safety.mutation`) before they are let go.
+
+Under :func:`graphshard.unshard` a read that records no gradient takes the copy held there
+(:func:`served_copy`, :class:`HeldCopy`) before any of this.
 """
 
 from __future__ import annotations
