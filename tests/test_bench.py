@@ -900,3 +900,22 @@ def test_guard_check_measures_alone_and_after_another_compile(capsys, plain):
     for key in ("lookup_ms_alone", "lookup_ms_after_another_compile"):
         assert len(result[key]) == 2 and all(ms > 0 for ms in result[key]), result
     assert "ms after another compile" in capsys.readouterr().out
+
+
+def test_the_generation_bench_decodes_the_same_tokens_with_every_system(tmp_path):
+    """``python -m bench.generate`` on two gloo ranks: every system (graphshard gathering
+    per call or holding with ``graphshard.unshard``, FSDP2 per call or after its
+    ``unshard()``, one process) decodes one process's tokens, and the report says so."""
+    from bench import generate
+
+    out = tmp_path / "generate.json"
+    records = generate.main(["--world-size", "2", "--model", "tiny", "--new-tokens", "2",
+                             "--rounds", "1", "--json", str(out), "--markdown",
+                             str(tmp_path / "generate.md")])
+    assert [r["system"] for r in records] == list(generate.SYSTEMS)
+    assert all(r["tokens_match_single"] for r in records), records
+    assert all(r["s_per_token_median"] > 0 for r in records)
+    reference = next(r for r in records if r["system"] == generate.REFERENCE)
+    assert reference["reference_ratio_median"] == 1.0
+    assert json.loads(out.read_text()) == records
+    assert "| graphshard-unshard |" in (tmp_path / "generate.md").read_text()
