@@ -5,8 +5,8 @@ produces one marker per read, each on its own ``to_local()`` of the parameter's 
 Merging them before AOTAutograd gives one gather and one gradient reduction per parameter,
 so the gradient is summed locally before it is communicated.
 
-A read traced under ``torch.no_grad()`` (a norm taken without gradient, spectral norm's power
-step) gives a marker whose output carries no autograd history. A later read that trains must
+A read traced under ``torch.no_grad()`` (a weight's norm taken as a constant, a logged
+statistic) gives a marker whose output carries no autograd history. A later read that trains must
 not be pointed at it: its parameter would get no gradient at all. So a read that carries
 gradients merges only into an earlier one that does; a read without them merges into any
 earlier read (using a tensor with history under ``no_grad`` records nothing). As in eager

@@ -131,6 +131,32 @@ def test_holds_nest_and_an_error_lets_go(fake2):
     assert state.held_gathered == {}
 
 
+def test_a_failed_hold_holds_nothing(fake2, monkeypatch):
+    """A hold whose gathering fails part way (here the fifth parameter's) leaves none of
+    the parameters gathered before it held; a model on the meta device is refused with what
+    to do."""
+    from graphshard.api import held_gathers
+
+    model = _llama()
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 5:
+            raise RuntimeError("the fifth gather failed")
+        return gather(*args)
+
+    gather = held_gathers.gathered_param
+    monkeypatch.setattr(held_gathers, "gathered_param", failing)
+    with pytest.raises(RuntimeError, match="the fifth gather failed"):
+        graphshard.unshard(model)
+    assert shard_state(model).held_gathered == {}
+    with torch.device("meta"):
+        meta = _llama()
+    with pytest.raises(ShardedModelError, match="still on the meta device"):
+        graphshard.unshard(meta)
+
+
 def test_unshard_refuses_a_module_without_sharded_parameters(fake2):
     with pytest.raises(GraphshardRuntimeError, match="holds no sharded parameter"):
         graphshard.unshard(nn.Linear(4, 4))

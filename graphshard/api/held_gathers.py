@@ -23,6 +23,7 @@ held copy has no autograd history.
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
 
 import torch
@@ -97,15 +98,17 @@ def unshard(module: nn.Module) -> Unsharded:
         raise GraphshardRuntimeError(
             f"graphshard.unshard() was given a {type(module).__name__} that holds no sharded "
             "parameter: pass a model after graphshard.shard(model), or a submodule of it.")
-    held: list[tuple[ShardState, str]] = []
-    with torch.no_grad(), torch.inference_mode(False):
-        for submodule, pname, entry, state in reads:
-            name = entry.names[0]
-            if name not in state.held_gathered:
-                full = gathered_param(submodule, pname, state)
-                state.held_gathered[name] = HeldCopy(full, submodule._parameters[pname],
-                                                    state.optimizer_steps)
-                held.append((state, name))
-    return Unsharded(held)
-
-
+    unsharded = Unsharded([])
+    try:
+        with torch.no_grad(), torch.inference_mode(False):
+            for submodule, pname, entry, state in reads:
+                name = entry.names[0]
+                if name not in state.held_gathered:
+                    full = gathered_param(submodule, pname, state)
+                    state.held_gathered[name] = HeldCopy(full, submodule._parameters[pname],
+                                                        state.optimizer_steps)
+                    unsharded._held.append((state, name))
+    except BaseException:  # a parameter that cannot be gathered (on the meta device): hold none
+        unsharded.__exit__(*sys.exc_info())
+        raise
+    return unsharded
