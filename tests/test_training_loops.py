@@ -144,12 +144,12 @@ def test_torchs_recurrent_layers_train_like_one_process_compiled_or_not(ranks, m
 def test_an_rl_step_inside_unshard_samples_and_trains_like_one_process(ranks, optimizer):
     """``graphshard.unshard(model)`` around an RL step of a Hugging Face Llama: greedy
     samples (rank 1 decodes one step more than rank 0: no collective runs while the held
-    copies serve), a training step on them, then scores and samples again. Every value matches one
-    process: the samples, the trained parameters, and the scores and samples after the step
-    (the held copies, stale after it, were gathered again), with torch's SGD through the
-    DTensors and with fused AdamW run on the local shards. Gathers inside the hold, after
-    its own: one per parameter for the training forward (a held copy has no autograd
-    history) and one after the step; none for the 2 x 4 decoding steps."""
+    copies serve), a training step on them, then scores and samples again. Every value
+    matches one process: the samples, the trained parameters, and the scores and samples
+    after the step (the held copies, stale after it, were gathered again), with torch's SGD
+    through the DTensors and with fused AdamW run on the local shards. Gathers inside the
+    hold, after its own: one per parameter for the training forward (a held copy has no
+    autograd history) and one after the step; none while decoding."""
     plain = reference_rollout(WORLD, optimizer)
     for rank, res in enumerate(_result(ranks, ("rollout", optimizer))):
         assert res["samples"].shape[1] == 4 + 3 + rank
