@@ -23,7 +23,6 @@ held copy has no autograd history.
 
 from __future__ import annotations
 
-import sys
 from types import TracebackType
 
 import torch
@@ -53,23 +52,22 @@ class Unsharded:
 
     def reshard(self) -> None:
         """Let go of the held copies (idempotent), raising if one was updated in place."""
+        self._release(check=True)
+
+    def _release(self, check: bool) -> None:
+        """Let go of every held copy first, then (``check``) raise if one was written."""
         held, self._held = self._held, []
-        released = [(name, state.held_gathered.pop(name)) for state, name in held
-                    if name in state.held_gathered]
+        released = [(name, state.held_gathered.pop(name, None)) for state, name in held]
         for name, copy in released:
-            check_unchanged(copy.full, copy.full_version, name)
+            if check and copy is not None:
+                check_unchanged(copy.full, copy.full_version, name)
 
     def __enter__(self) -> Unsharded:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if exc_type is None:
-            self.reshard()
-        else:  # an error is unwinding: let go of everything, check nothing
-            for state, name in self._held:
-                state.held_gathered.pop(name, None)
-            self._held = []
+        self._release(check=exc_type is None)  # an error unwinding: check nothing
 
 
 def unshard(module: nn.Module) -> Unsharded:
@@ -109,6 +107,6 @@ def unshard(module: nn.Module) -> Unsharded:
                                                         state.optimizer_steps)
                     unsharded._held.append((state, name))
     except BaseException:  # a parameter that cannot be gathered (on the meta device): hold none
-        unsharded.__exit__(*sys.exc_info())
+        unsharded._release(check=False)
         raise
     return unsharded
