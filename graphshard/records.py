@@ -95,6 +95,12 @@ class ShardState:
     # gathered copies graphshard.unshard(model) holds for reads without gradients
     # (graphshard.api.held_gathers): parameter name -> eager_gathers.HeldCopy
     held_gathered: dict = field(default_factory=dict)
+    # one eager all-gather per bucket (graphshard.api.bucket_gathers): bucket -> [(record,
+    # UnshardSpec)]; the buckets gathered in the running forward; and the copies their reads
+    # have not taken yet, id(record) -> (copy, the local shard gathered, its version)
+    bucket_members: dict = field(default_factory=dict)
+    buckets_gathered: set = field(default_factory=set)
+    bucket_stash: dict = field(default_factory=dict)
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

@@ -18,6 +18,8 @@ from graphshard.api.sharding import shard_state
 from graphshard.errors import ShardedModelError
 from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
 
 class Reads(nn.Module):
     """Reads its weight and bias ``times`` times in one forward (a count that, in a mixture
@@ -58,16 +60,17 @@ class Twice(nn.Module):
 
 
 class Collectives(TorchDispatchMode):
-    """Counts the eager gathers (``graphshard::unshard``, one all-gather each at world 2) and
-    gradient reductions (``graphshard::reduce_grad``, one reduce-scatter each) dispatched
-    while it is active; the collectives inside them run below the mode."""
+    """Counts the eager all-gathers (``graphshard::unshard``, one each at world 2, and a
+    bucket's, ``api.bucket_gathers``) and gradient reductions (``graphshard::reduce_grad``,
+    one reduce-scatter each) dispatched while it is active; the collectives inside the
+    markers run below the mode."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gathers = self.others = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is UNSHARD:
+        if func is UNSHARD or func is _ALL_GATHER:
             self.gathers += 1
         elif func is REDUCE_GRAD:
             self.others += 1
@@ -87,10 +90,13 @@ def test_a_module_call_gathers_each_parameter_once_however_often_it_reads_it(fak
         loss = model(x)
     with Collectives() as backward:
         loss.backward()
-    # inner's two calls gather w and b each (4), the head its weight and bias (2): six
-    # gathers whatever ``times`` is (14 at times=3 when every read gathered), one
-    # reduce-scatter for each
-    assert _counts(forward) == (6, 0)
+    # one bucket: inner's first call gathers all four parameters in one collective, its
+    # second call its own two again (its copies went when the first returned), the head
+    # takes its copies from the first: two gathers whatever ``times`` is (14 at times=3 when
+    # every read gathered, 6 when each parameter gathered alone), one reduce-scatter for
+    # each parameter
+    assert len(shard_state(model).bucket_members) == 1
+    assert _counts(forward) == (2, 0)
     assert _counts(backward)[1] == 6
     assert all(p.grad is not None for p in model.parameters())
     assert shard_state(model).eager_gathered == {}
@@ -112,12 +118,13 @@ def test_a_call_lets_go_of_its_gathers_when_it_returns(fake2):
 
 def test_a_read_without_grad_does_not_serve_a_read_that_trains(fake2):
     """The weight read under ``torch.no_grad()`` first, then with grad in the same call: two
-    gathers of it (the first copy has no autograd history), and it gets a gradient."""
+    gathers of it (the first copy has no autograd history), and it gets a gradient. (The
+    first gathers the bias with it, in one collective, for its read with grad.)"""
     model = graphshard.shard(Reads())
     model.scale_without_grad = True
     with Collectives() as forward:
         loss = model(torch.randn(3, 8)).sum()
-    assert _counts(forward) == (3, 0)  # w without grad, w and b with it
+    assert _counts(forward) == (2, 0)  # w and b, then w again with grad
     loss.backward()
     assert model.w.grad is not None and model.b.grad is not None
 

@@ -15,18 +15,21 @@ from graphshard.api.sharding import shard_state
 from graphshard.errors import GraphshardRuntimeError, ShardedModelError
 from graphshard.passes.markers import UNSHARD
 
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
 transformers = pytest.importorskip("transformers")
 
 
 class Gathers(TorchDispatchMode):
-    """Counts the eager gathers (``graphshard::unshard``) dispatched while active."""
+    """Counts the eager all-gathers dispatched while active: ``graphshard::unshard`` (one
+    parameter's) and a bucket's (``graphshard.api.bucket_gathers``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is UNSHARD
+        self.count += func is UNSHARD or func is _ALL_GATHER
         return func(*args, **(kwargs or {}))
 
 
@@ -49,24 +52,33 @@ def _parameter_count(model: nn.Module) -> int:
     return len(list(model.parameters()))
 
 
+def _buckets(model: nn.Module, leaving: list[str] = ()) -> int:
+    """The buckets of ``model`` (one all-gather each) that hold a parameter not named in
+    ``leaving``."""
+    return len({e.bucket for e in shard_state(model).params if e.names[0] not in leaving})
+
+
 def test_a_held_model_generates_without_gathering(fake2):
-    """Without the hold every decoding step gathers every parameter again; with it, the
-    hold gathers each once and generation gathers nothing."""
+    """Without the hold every decoding step gathers every bucket again (one collective a
+    bucket, not one a parameter); with it, the hold gathers each bucket once and generation
+    gathers nothing."""
     model = _llama()
     with Gathers() as unheld:
         _generate(model)
-    assert unheld.count >= 3 * _parameter_count(model)
+    assert 1 < _buckets(model) < _parameter_count(model)
+    assert unheld.count == 3 * _buckets(model)
     with Gathers() as holding:
         held = graphshard.unshard(model)
     with Gathers() as generating:
         _generate(model)
-    assert holding.count == _parameter_count(model) == len(held.parameter_names)
+    assert holding.count == _buckets(model)
+    assert len(held.parameter_names) == _parameter_count(model)
     assert generating.count == 0
     held.reshard()
     assert shard_state(model).held_gathered == {}
     with Gathers() as after:
         _generate(model, new_tokens=1)
-    assert after.count == _parameter_count(model)  # gathering per call again
+    assert after.count == _buckets(model)  # gathering per call again
 
 
 def test_a_read_that_trains_gathers_as_always(fake2):
@@ -74,7 +86,7 @@ def test_a_read_that_trains_gathers_as_always(fake2):
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     with graphshard.unshard(model), Gathers() as training:
         model(input_ids=ids, labels=ids).loss.backward()
-    assert training.count == _parameter_count(model)
+    assert training.count == _buckets(model)
     assert all(p.grad is not None for p in model.parameters())
 
 
@@ -118,7 +130,9 @@ def test_holds_nest_and_an_error_lets_go(fake2):
     state = shard_state(model)
     with graphshard.unshard(model.model.layers[0]) as inner:
         with Gathers() as outer_gathers, graphshard.unshard(model) as outer:
-            assert outer_gathers.count == _parameter_count(model) - len(inner.parameter_names)
+            assert outer_gathers.count == _buckets(model, leaving=inner.parameter_names)
+            assert len(outer.parameter_names) == (_parameter_count(model)
+                                                  - len(inner.parameter_names))
             with graphshard.unshard(model.model.layers[0]) as again:
                 assert again.parameter_names == []
             assert len(state.held_gathered) == _parameter_count(model)

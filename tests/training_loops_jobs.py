@@ -519,17 +519,20 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
     and runs no collective, so the ranks may decode different numbers of steps (gathering
     per call, they would pair their gathers wrongly); the training forward gathers as always,
     and the optimizer step makes the held copies stale, so the reads after it gather again."""
+    from graphshard.api.sharding import shard_state
     from graphshard.passes.markers import UNSHARD
 
     model = llama()
     graphshard.shard(model)
     gathers = Counter()
+    all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     with graphshard.unshard(model) as held, _count_gathers(gathers):
         held_names = held.parameter_names
         result = rollout(model, optimizer, {rank: rollout_prompt(rank)})
     return {**{key: value[0] for key, value in result.items()},
-            "held": len(held_names), "gathers": gathers[UNSHARD],
+            "held": len(held_names), "gathers": gathers[UNSHARD] + gathers[all_gather],
             "params": len(list(model.parameters())),
+            "buckets": len({e.bucket for e in shard_state(model).params}),
             "state": {name: full(p) for name, p in model.named_parameters()}}
 
 
@@ -542,12 +545,17 @@ def reference_rollout(world_size: int, optimizer: str) -> dict:
 
 @contextlib.contextmanager
 def _count_gathers(counts: Counter):
-    """Count the ops dispatched while active (the eager gathers are ``graphshard::unshard``)."""
+    """Count the ops dispatched while active (the eager gathers are ``graphshard::unshard``
+    and a bucket's all-gather). The all-gather of one element, the ranks' comparison of
+    their forwards (``graphshard.safety.rank_agreement``), is counted apart, as
+    ``"digest"``."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts[func] += 1
+            counts["digest" if func is all_gather and args[0].numel() == 1 else func] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():

@@ -156,6 +156,29 @@ torch.library.register_autograd(
 )
 
 
+class _FromGathered(torch.autograd.Function):
+    """``unshard`` whose gather already ran (its bucket's, ``graphshard.api.bucket_gathers``):
+    the forward hands the copy over, the backward is ``unshard``'s."""
+
+    @staticmethod
+    def forward(full, *unshard_inputs):
+        return full.view_as(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _unshard_setup(ctx, inputs[1:], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *_unshard_backward(ctx, grad))
+
+
+def from_gathered(full: torch.Tensor, *unshard_inputs) -> torch.Tensor:
+    """``UNSHARD(*unshard_inputs)`` given the gathered ``full`` (eagerly): the same output and
+    the same gradients, without a collective."""
+    return _FromGathered.apply(full, *unshard_inputs)
+
+
 _PENDING_FULL = ReduceGradArgs._fields.index("pending_full")
 _PENDING_PARTIAL = ReduceGradArgs._fields.index("pending_partial")
 
@@ -206,4 +229,4 @@ torch.library.register_autograd(
     "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD", "gather_full"]
+__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full"]

@@ -39,6 +39,7 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
+from graphshard.api.bucket_gathers import end_forward
 from graphshard.api.eager_gathers import release
 from graphshard.api.eager_roots import run_eagerly_as_root
 from graphshard.errors import GraphshardError
@@ -97,6 +98,8 @@ def _leave(state: ShardState, unwinding: bool) -> None:
     """After a counted call returns: let go of the gathered copies its reads shared; after
     the outermost forward, check that every rank read what this one did (or, when an error
     unwinds it, only forget the reads)."""
+    if state.forward_depth == 0 and state.buckets_gathered:
+        end_forward(state)  # bucket gathers' copies no read took
     if not torch.compiler.is_compiling() and state.eager_gathered_at:
         try:
             release(state, unwinding)  # the copies the call that returned shared

@@ -28,10 +28,11 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from graphshard.api.bucket_gathers import end_forward, gather_bucket
 from graphshard.api.eager_gathers import HeldCopy
 from graphshard.api.param_reads import gathered_param
 from graphshard.errors import GraphshardRuntimeError
-from graphshard.records import ShardState
+from graphshard.records import ShardedParam, ShardState
 from graphshard.safety.mutation import check_unchanged
 
 __all__ = ["Unsharded", "unshard"]
@@ -99,6 +100,7 @@ def unshard(module: nn.Module) -> Unsharded:
     unsharded = Unsharded([])
     try:
         with torch.no_grad(), torch.inference_mode(False):
+            _gather_buckets([(entry, state) for _, _, entry, state in reads])
             for submodule, pname, entry, state in reads:
                 name = entry.names[0]
                 if name not in state.held_gathered:
@@ -109,4 +111,21 @@ def unshard(module: nn.Module) -> Unsharded:
     except BaseException:  # a parameter that cannot be gathered (on the meta device): hold none
         unsharded._release(check=False)
         raise
+    finally:
+        for state in {id(state): state for *_, state in reads}.values():
+            if state.forward_depth == 0:
+                end_forward(state)  # copies of parameters an enclosing hold had
     return unsharded
+
+
+def _gather_buckets(reads: list[tuple[ShardedParam, ShardState]]) -> None:
+    """Gather the parameters to hold one bucket at a time (``api.bucket_gathers``), each
+    bucket's in one collective; those an enclosing hold has are left out."""
+    wanted: dict[tuple[int, int], tuple[ShardedParam, ShardState, set[int]]] = {}
+    for entry, state in reads:
+        if entry.names[0] in state.held_gathered:
+            continue
+        first = wanted.setdefault((id(state), entry.bucket), (entry, state, set()))
+        first[2].add(id(entry))
+    for entry, state, ids in wanted.values():
+        gather_bucket(state, entry, ids)

@@ -25,8 +25,10 @@ read only where gradients are held back (``no_sync``) or tensor parallelism re-w
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,8 +36,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from graphshard.api.block_regions import REGION_PARAMS_ATTR
+from graphshard.api.bucket_gathers import gather_bucket, register_bucket_member, take_gathered
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
 from graphshard.api.eager_gathers import read_once, served_copy
+from graphshard.api.eager_kernels import from_gathered
 from graphshard.api.eager_roots import note_eager_read_under_compile, run_eagerly_as_root
 from graphshard.api.functional_calls import exporting, refuse_export
 from graphshard.api.local_inputs import (
@@ -72,6 +76,7 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
         entry.local_slots.append((locals_, pname))
         set_local(entry, entry.local)
         register_storage_slots(entry, storages, pname)
+        register_bucket_member(state, entry, specs[pname][1])
     attrs[_HOLDS_TP_ATTR] = any(entry.tp is not None for entry, _ in specs.values())
     attrs[REGION_PARAMS_ATTR] = None  # set only while a block's region is traced
     attrs["_graphshard_root_state"] = state
@@ -80,18 +85,21 @@ def install_reads(module: nn.Module, specs: dict[str, tuple[ShardedParam, Unshar
 
 
 def read_param(
-    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int,
+    unshard: Callable[..., torch.Tensor] = UNSHARD,
 ) -> torch.Tensor:
     """The parameter inside the forward: the full tensor through the ``unshard`` marker, or
-    under tensor parallelism the dp-gathered TP piece as the TP DTensor."""
-    full = _read_param(shard, entry, spec, sync)
+    under tensor parallelism the dp-gathered TP piece as the TP DTensor. ``unshard``: the
+    marker, or eagerly one whose gather already ran (``eager_kernels.from_gathered``)."""
+    full = _read_param(shard, entry, spec, sync, unshard)
     return full if entry.tp is None else entry.tp.wrap(full)
 
 
 def _read_param(
-    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int
+    shard: torch.Tensor, entry: ShardedParam, spec: UnshardSpec, sync: int,
+    unshard: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
-    """The full parameter through the ``unshard`` marker, routed by the gradient-sync mode."""
+    """The full parameter through ``unshard``, routed by the gradient-sync mode."""
     if shard.is_meta:
         raise guards.ShardedModelError(
             f"Parameter {entry.names[0]!r} is still on the meta device: a model built under "
@@ -105,17 +113,17 @@ def _read_param(
         # a read that records no gradient (under ``torch.no_grad()``; while Dynamo traces,
         # the local is a plain input that requires grad either way) must not take no_sync's
         # held-back gradient: no backward of it would fold that in
-        return UNSHARD(shard, *spec)
+        return unshard(shard, *spec)
     if sync == GradSync.NONE:
-        return UNSHARD(shard, *spec, sync, entry.unreduced)
+        return unshard(shard, *spec, sync, entry.unreduced)
     if sync == GradSync.PARTIAL:
-        return UNSHARD(shard, *spec, sync, entry.partial)
+        return unshard(shard, *spec, sync, entry.partial)
     armed = entry.armed
     if armed is None:
-        return UNSHARD(shard, *spec, sync)
+        return unshard(shard, *spec, sync)
     entry.armed = None  # this read folds the held-back gradient in; later reads must not
     entry.folding = True
-    return UNSHARD(shard, *spec, sync, None, *armed)
+    return unshard(shard, *spec, sync, None, *armed)
 
 
 def reads_gather(state: ShardState) -> bool:
@@ -201,7 +209,13 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
                 return UNSHARD(shard, *spec, GradSync.FULL)  # nothing to fold in or re-wrap
             return read_param(shard, module._graphshard_specs[pname][0], spec, state.sync)
     entry = module._graphshard_specs[pname][0]
-    return read_param(module._parameters[pname].to_local(), entry, spec, state.sync)
+    shard = module._parameters[pname].to_local()
+    if not torch.compiler.is_compiling():  # eagerly: the copy its bucket's gather left, if any
+        full = take_gathered(state, entry)
+        if full is not None:
+            return read_param(shard, entry, spec, state.sync,
+                              functools.partial(from_gathered, full))
+    return read_param(shard, entry, spec, state.sync)
 
 
 # On a sharded module: whether any of its parameters is tensor-parallel (read re-wrapped).
@@ -231,7 +245,11 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     if state.forward_depth == 0:  # in a backward, outside any forward
         return gathered_param(self, name, state)
     param_name = entry.names[0]
-    gather = lambda: gathered_param(self, name, state)  # noqa: E731
+
+    def gather() -> torch.Tensor:  # with the rest of its bucket, the first time in a forward
+        gather_bucket(state, entry, again={id(e) for e, _ in self._graphshard_specs.values()})
+        return gathered_param(self, name, state)
+
     served = served_copy(state, param_name, given, gather)  # graphshard.unshard
     full, gathered = served if served is not None else read_once(state, param_name, gather)
     if gathered:

@@ -76,7 +76,8 @@ def stable_repr(value: Any) -> str | None:
     return None
 
 
-_STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward", "bucket_names"}
+_STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward", "bucket_names",
+               "bucket_members"}  # the last: the records by bucket, compared as "params"
 
 
 def shard_fingerprint(state: Any) -> dict[str, str]:

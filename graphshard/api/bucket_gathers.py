@@ -1,0 +1,155 @@
+"""Eagerly, one all-gather per bucket: :func:`gather_bucket`, :func:`take_gathered`.
+
+The compiled step gathers a bucket's parameters in one collective. Eagerly each read used to
+gather its own parameter: llama-small at world 2 issued 40 all-gathers a forward where the
+compiled step issues 12, and on gloo, where every collective costs a fixed latency, the eager
+forward (and a generation loop, one forward per token) paid for the difference.
+
+So the first eager read of a bucket's parameter in a forward gathers every parameter of the
+bucket that travels alike (same group, dtype and device once cast) in one collective, as
+FSDP2 gathers a module's parameters on entry. The copies wait in ``state.bucket_stash`` for
+their reads; each read takes its own (:func:`take_gathered`), and gets autograd exactly as the
+per-parameter gather does (the same backward: :func:`graphshard.api.eager_kernels.
+from_gathered`). A bucket is gathered whole once per forward. A parameter read again after
+its copy was let go gathers with the rest of its module's parameters in the bucket (a module
+called a second time), not with the whole bucket (a tied weight read at both ends of the
+model gathers alone). What no read took is dropped when the forward ends
+(:func:`end_forward`).
+
+Ranks issue the same collectives in the same order as long as they read the same buckets in
+the same order, which the per-parameter gathers needed too (and the end-of-forward check of
+:mod:`graphshard.safety.rank_agreement` compares). A copy is served only while its shard is
+the one gathered, unchanged since: a shard written in between is gathered again on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from graphshard.passes.layout import (
+    Dim0Layout,
+    eager,
+    full_from_gathered,
+    gather_piece,
+    rows_held,
+)
+from graphshard.passes.markers import UnshardSpec
+from graphshard.records import ShardedParam, ShardState
+
+__all__ = ["end_forward", "gather_bucket", "register_bucket_member", "take_gathered"]
+
+_c10d = torch.ops._c10d_functional
+
+
+def register_bucket_member(state: ShardState, entry: ShardedParam, spec: UnshardSpec) -> None:
+    """At ``shard()``: ``entry`` (read with ``spec``) belongs to its bucket's eager gather."""
+    members = state.bucket_members.setdefault(entry.bucket, [])
+    if all(known is not entry for known, _ in members):  # a tied parameter: once
+        members.append((entry, spec))
+
+
+def gather_bucket(state: ShardState, entry: ShardedParam,
+                  wanted: Collection[int] | None = None,
+                  again: Collection[int] = ()) -> None:
+    """Before the eager gather of ``entry``'s parameter, unless a copy of it is waiting:
+    gather the members of its bucket that travel as ``entry`` does in one collective, into
+    ``state.bucket_stash``. The first time in a forward, every such member (or those whose
+    ``id`` is in ``wanted``); after that, those in ``again`` (the reading module's own: a
+    module called a second time) that have no copy waiting."""
+    if state.world_size == 1 or id(entry) in state.bucket_stash:
+        return
+    if entry.bucket in state.buckets_gathered:
+        wanted = again
+    state.buckets_gathered.add(entry.bucket)
+    members = state.bucket_members.get(entry.bucket, ())
+    key = _travels_as(entry, members)
+    if key is None:
+        return
+    reads = [(e, spec) for e, spec in members
+             if (wanted is None or id(e) in wanted) and id(e) not in state.bucket_stash
+             and _travels_as(e, members) == key]
+    if len(reads) < 2:  # alone, the per-parameter gather is this one, without the copy out
+        return
+    world, group_name = key[0], key[1]
+    with torch.no_grad(), torch.inference_mode(False):
+        gathered, layouts = _gather(reads, world, group_name)
+        offset = 0
+        for (e, _), layout in zip(reads, layouts, strict=True):
+            part = gathered[:, offset:offset + layout.piece_numel]
+            offset += layout.piece_numel
+            full = full_from_gathered(eager, part.reshape(-1), layout)
+            local = e.param._local_tensor
+            state.bucket_stash[id(e)] = (full, local, local._version)
+
+
+def take_gathered(state: ShardState, entry: ShardedParam) -> torch.Tensor | None:
+    """The copy of ``entry``'s parameter its bucket's gather left for this read, or None
+    (none left, or its shard changed since: then it is gathered on its own)."""
+    if not state.bucket_stash:
+        return None
+    stashed = state.bucket_stash.pop(id(entry), None)
+    if stashed is None:
+        return None
+    full, local, version = stashed
+    now = entry.param._local_tensor
+    return full if now is local and now._version == version else None
+
+
+def end_forward(state: ShardState) -> None:
+    """When the forward ends: drop the copies no read took; the next forward gathers anew."""
+    state.buckets_gathered.clear()
+    state.bucket_stash.clear()
+
+
+def _travels_as(entry: ShardedParam, members: list[tuple[ShardedParam, UnshardSpec]]
+                ) -> tuple | None:
+    """What decides whether two members can share one collective: the group, the dtype and
+    device they are gathered in. None for a parameter without values to gather."""
+    param = entry.param
+    if not isinstance(param, DTensor):
+        return None
+    local = param._local_tensor
+    if local.is_meta:
+        return None
+    spec = next(spec for e, spec in members if e is entry)
+    dtype = spec.param_dtype or local.dtype
+    device = spec.compute_device or local.device.type
+    return (spec.world_size, spec.group_name, dtype, device)
+
+
+def _gather(reads: list[tuple[ShardedParam, UnshardSpec]], world: int, group_name: str
+            ) -> tuple[torch.Tensor, list[Dim0Layout]]:
+    """All-gather the members' padded pieces, concatenated, in one collective: the result as
+    ``[world, sum of pieces]`` (rank ``r``'s pieces in row ``r``), and each member's layout."""
+    layouts = [Dim0Layout(spec.full_shape, spec.world_size) for _, spec in reads]
+    flat = _stored_flat(reads)
+    if flat is None:
+        pieces = []
+        for (e, spec), layout in zip(reads, layouts, strict=True):
+            local = e.param._local_tensor
+            if spec.compute_device:  # CPU offload: the host shard -> the device, then cast
+                local = local.to(spec.compute_device, non_blocking=True)
+            if spec.param_dtype is not None:
+                local = local.to(spec.param_dtype)
+            pieces.append(gather_piece(eager, local, layout, rows_held(local.shape)))
+        flat = torch.cat(pieces)
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group_name))
+    return gathered.view(world, -1), layouts
+
+
+def _stored_flat(reads: list[tuple[ShardedParam, UnshardSpec]]) -> torch.Tensor | None:
+    """The bucket's flat buffer (:mod:`graphshard.api.bucket_storage`) when it is exactly
+    the pieces to send, in this order: then nothing is copied in."""
+    group = reads[0][0].storage_group
+    if group is None or group.flat is None or not group.laid_out():
+        return None
+    if len(group.entries) != len(reads) or any(
+            e is not g for (e, _), g in zip(reads, group.entries, strict=True)):
+        return None
+    if any(spec.param_dtype not in (None, e.param._local_tensor.dtype) or spec.compute_device
+           for e, spec in reads):
+        return None
+    return group.flat
