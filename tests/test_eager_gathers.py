@@ -19,6 +19,8 @@ from graphshard.errors import ShardedModelError
 from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_REDUCE_SCATTERS = (torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                    torch.ops._c10d_functional.all_to_all_single.default)  # gloo's
 
 
 class Reads(nn.Module):
@@ -62,8 +64,8 @@ class Twice(nn.Module):
 class Collectives(TorchDispatchMode):
     """Counts the eager all-gathers (``graphshard::unshard``, one each at world 2, and a
     bucket's, ``api.bucket_gathers``) and gradient reductions (``graphshard::reduce_grad``,
-    one reduce-scatter each) dispatched while it is active; the collectives inside the
-    markers run below the mode."""
+    one reduce-scatter each, and a bucket's reads', ``eager_kernels.read_bucket``)
+    dispatched while it is active; the collectives inside the markers run below the mode."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +74,7 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is UNSHARD or func is _ALL_GATHER:
             self.gathers += 1
-        elif func is REDUCE_GRAD:
+        elif func is REDUCE_GRAD or func in _REDUCE_SCATTERS:
             self.others += 1
         return func(*args, **(kwargs or {}))
 
@@ -93,11 +95,11 @@ def test_a_module_call_gathers_each_parameter_once_however_often_it_reads_it(fak
     # one bucket: inner's first call gathers all four parameters in one collective, its
     # second call its own two again (its copies went when the first returned), the head
     # takes its copies from the first: two gathers whatever ``times`` is (14 at times=3 when
-    # every read gathered, 6 when each parameter gathered alone), one reduce-scatter for
-    # each parameter
+    # every read gathered, 6 when each parameter gathered alone), and one reduce-scatter for
+    # each of the two (6 when each parameter reduced alone)
     assert len(shard_state(model).bucket_members) == 1
     assert _counts(forward) == (2, 0)
-    assert _counts(backward)[1] == 6
+    assert _counts(backward) == (0, 2)
     assert all(p.grad is not None for p in model.parameters())
     assert shard_state(model).eager_gathered == {}
 

@@ -29,6 +29,7 @@ from collections.abc import Collection
 import torch
 from torch.distributed.tensor import DTensor
 
+from graphshard.api.eager_kernels import read_bucket
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -36,7 +37,7 @@ from graphshard.passes.layout import (
     gather_piece,
     rows_held,
 )
-from graphshard.passes.markers import UnshardSpec
+from graphshard.passes.markers import GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
 
 __all__ = ["end_forward", "gather_bucket", "register_bucket_member", "take_gathered"]
@@ -76,18 +77,37 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     world, group_name = key[0], key[1]
     with torch.no_grad(), torch.inference_mode(False):
         gathered, layouts = _gather(reads, world, group_name)
-        offset = 0
-        for (e, _), layout in zip(reads, layouts, strict=True):
+        fulls, offset = [], 0
+        for layout in layouts:
             part = gathered[:, offset:offset + layout.piece_numel]
             offset += layout.piece_numel
-            full = full_from_gathered(eager, part.reshape(-1), layout)
-            local = e.param._local_tensor
-            state.bucket_stash[id(e)] = (full, local, local._version)
+            fulls.append(full_from_gathered(eager, part.reshape(-1), layout))
+    trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
+    if len(trained) > 1:  # their gradients are reduced together too
+        outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
+                              [reads[i][0].param.to_local() for i in trained])
+        for i, output in zip(trained, outputs, strict=True):
+            fulls[i] = output
+    for (e, _), full in zip(reads, fulls, strict=True):
+        local = e.param._local_tensor
+        state.bucket_stash[id(e)] = (full, local, local._version)
 
 
-def take_gathered(state: ShardState, entry: ShardedParam) -> torch.Tensor | None:
-    """The copy of ``entry``'s parameter its bucket's gather left for this read, or None
-    (none left, or its shard changed since: then it is gathered on its own)."""
+def _reads_together(state: ShardState, entry: ShardedParam) -> bool:
+    """Whether ``entry``'s read in a forward that records gradients can be one of its
+    bucket's reads whose gradients are reduced in one collective: it trains, its gradient is
+    synchronised now with nothing held back to fold in (``no_sync``), and it is not
+    re-wrapped for tensor parallelism."""
+    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and state.sync == GradSync.FULL and entry.armed is None and entry.tp is None
+            and entry.param.requires_grad)
+
+
+def take_gathered(state: ShardState, entry: ShardedParam) -> tuple[torch.Tensor, bool] | None:
+    """The copy of ``entry``'s parameter its bucket's gather left for this read, and whether
+    it carries its autograd already (one of the bucket's reads that train,
+    :func:`graphshard.api.eager_kernels.read_bucket`); None when none is left, or its shard
+    changed since (then it is gathered on its own)."""
     if not state.bucket_stash:
         return None
     stashed = state.bucket_stash.pop(id(entry), None)
@@ -95,7 +115,9 @@ def take_gathered(state: ShardState, entry: ShardedParam) -> torch.Tensor | None
         return None
     full, local, version = stashed
     now = entry.param._local_tensor
-    return full if now is local and now._version == version else None
+    if now is not local or now._version != version:
+        return None
+    return full, full.grad_fn is not None
 
 
 def end_forward(state: ShardState) -> None:
@@ -107,7 +129,8 @@ def end_forward(state: ShardState) -> None:
 def _travels_as(entry: ShardedParam, members: list[tuple[ShardedParam, UnshardSpec]]
                 ) -> tuple | None:
     """What decides whether two members can share one collective: the group, the dtype and
-    device they are gathered in. None for a parameter without values to gather."""
+    device they are gathered in, and how their gradients are reduced. None for a parameter
+    without values to gather."""
     param = entry.param
     if not isinstance(param, DTensor):
         return None
@@ -117,7 +140,8 @@ def _travels_as(entry: ShardedParam, members: list[tuple[ShardedParam, UnshardSp
     spec = next(spec for e, spec in members if e is entry)
     dtype = spec.param_dtype or local.dtype
     device = spec.compute_device or local.device.type
-    return (spec.world_size, spec.group_name, dtype, device)
+    return (spec.world_size, spec.group_name, dtype, device, spec.reduce_dtype,
+            spec.replica_group, spec.replica_size, spec.divide_factor)
 
 
 def _gather(reads: list[tuple[ShardedParam, UnshardSpec]], world: int, group_name: str

@@ -179,6 +179,80 @@ def from_gathered(full: torch.Tensor, *unshard_inputs) -> torch.Tensor:
     return _FromGathered.apply(full, *unshard_inputs)
 
 
+class _BucketReads(torch.autograd.Function):
+    """The reads that train of a bucket's parameters, gathered as one: each output is one
+    parameter's copy, and the backward, which autograd runs once every output's gradient is
+    in, reduce-scatters them in one collective (all-reduced across replicas in one more).
+    The arithmetic is ``reduce_grad``'s for each parameter (a gradient-synchronising read
+    with nothing held back); an output whose gradient is None (not used) is left out, as its
+    own ``unshard`` backward would not have run."""
+
+    @staticmethod
+    def forward(ctx, specs, fulls, *shards):
+        ctx.set_materialize_grads(False)
+        ctx.specs = specs
+        ctx.shards = [(s.dtype, rows_held(s.shape), s.device.type) for s in shards]
+        return tuple(full.view_as(full) for full in fulls)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced: list = [None] * len(grads)
+        present = [i for i, grad in enumerate(grads) if grad is not None]
+        if torch.is_grad_enabled():  # create_graph: each through reduce_grad's own autograd
+            for i in present:
+                reduced[i] = _unshard_backward(_MemberContext(ctx, i), grads[i])[0]
+        elif present:
+            for i, grad in zip(present, _reduce_together(ctx, present, grads), strict=True):
+                reduced[i] = grad
+        return (None, None, *reduced)
+
+
+class _MemberContext:
+    """What :func:`_unshard_backward` reads of its context, for one of a bucket's reads."""
+
+    def __init__(self, ctx, i: int) -> None:
+        self.marker = UnshardArgs(None, *ctx.specs[i], GradSync.FULL)
+        self.shard_dtype, self.local_rows, self.shard_device = ctx.shards[i]
+
+
+def _reduce_together(ctx, present: list[int], grads: tuple) -> list[torch.Tensor]:
+    """``reduce_grad`` (final, nothing pending) of each gradient in ``present``, in one
+    reduce-scatter of their rank-major matrices side by side."""
+    first = ctx.specs[present[0]]
+    layouts, matrices = [], []
+    for i in present:
+        spec, grad = ctx.specs[i], grads[i]
+        layout = Dim0Layout(grad.shape, spec.world_size)
+        if spec.reduce_dtype is not None:
+            grad = grad.to(spec.reduce_dtype)
+        layouts.append(layout)
+        matrices.append(rank_major(eager, grad, layout))
+    joined = matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
+    out = _reduce(joined.view(-1), "reduce_scatter", first.world_size, first.group_name,
+                  first.divide_factor)
+    if first.replica_size > 1:
+        out = _reduce(out, "all_reduce", first.replica_size, first.replica_group,
+                      replica_divide_factor(first.divide_factor))
+    results, offset = [], 0
+    for i, layout in zip(present, layouts, strict=True):
+        spec = ctx.specs[i]
+        shard_dtype, local_rows, shard_device = ctx.shards[i]
+        piece = out[offset:offset + layout.piece_numel].to(shard_dtype)
+        offset += layout.piece_numel
+        if spec.compute_device:  # CPU offload: the reduced piece goes back to the host
+            piece = TO_HOST(piece)
+        results.append(local_from_reduced(eager, piece, layout, local_rows))
+    return results
+
+
+def read_bucket(specs: list, fulls: list[torch.Tensor], shards: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, ...]:
+    """The reads that train of a bucket's parameters (``shards``, each read as its
+    ``UnshardSpec`` in ``specs`` with gradient sync and nothing held back), given their
+    gathered copies ``fulls``: the copies, whose gradients are reduced in one collective."""
+    return _BucketReads.apply(specs, fulls, *shards)
+
+
 _PENDING_FULL = ReduceGradArgs._fields.index("pending_full")
 _PENDING_PARTIAL = ReduceGradArgs._fields.index("pending_partial")
 
@@ -229,4 +303,4 @@ torch.library.register_autograd(
     "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full"]
+__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "read_bucket"]

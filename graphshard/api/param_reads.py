@@ -211,8 +211,11 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
     entry = module._graphshard_specs[pname][0]
     shard = module._parameters[pname].to_local()
     if not torch.compiler.is_compiling():  # eagerly: the copy its bucket's gather left, if any
-        full = take_gathered(state, entry)
-        if full is not None:
+        taken = take_gathered(state, entry)
+        if taken is not None:
+            full, with_autograd = taken
+            if with_autograd:  # read with its bucket's (api.eager_kernels.read_bucket)
+                return full if torch.is_grad_enabled() else full.detach()
             return read_param(shard, entry, spec, state.sync,
                               functools.partial(from_gathered, full))
     return read_param(shard, entry, spec, state.sync)
