@@ -97,7 +97,7 @@ class ShardState:
     held_gathered: dict = field(default_factory=dict)
     # one eager all-gather per bucket (graphshard.api.bucket_gathers): bucket -> [(record,
     # UnshardSpec)]; the buckets gathered in the running forward; and the copies their reads
-    # have not taken yet, id(record) -> (copy, the local shard gathered, its version)
+    # have not taken yet, id(record) -> (copy, the local shard gathered, version counters)
     bucket_members: dict = field(default_factory=dict)
     buckets_gathered: set = field(default_factory=set)
     bucket_stash: dict = field(default_factory=dict)

@@ -142,3 +142,49 @@ def test_an_in_place_update_of_a_shared_copy_is_refused_when_the_call_returns(fa
     assert state.eager_reads == []
     model.update_in_place = False
     model(torch.randn(3, 8)).sum().backward()  # the model still trains after the refusal
+
+
+class WithUnused(nn.Module):
+    """A linear layer and a parameter its forward never reads, in one bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.unused = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_bucket_is_gathered_and_reduced_in_one_collective_each(fake2):
+    """The bucket (the linear's weight and bias, and a parameter never read) is gathered by
+    the first read and its gradients reduced together; the parameter nobody read is
+    dropped when the forward ends and gets no gradient, as in one process."""
+    model = graphshard.shard(WithUnused())
+    state = shard_state(model)
+    assert len(state.bucket_members) == 1
+    with Collectives() as forward:
+        loss = model(torch.randn(3, 8)).sum()
+    assert state.bucket_stash == {} and state.buckets_gathered == set()
+    with Collectives() as backward:
+        loss.backward()
+    assert _counts(forward) == (1, 0) and _counts(backward) == (0, 1)
+    assert model.lin.weight.grad is not None and model.lin.bias.grad is not None
+    assert model.unused.grad is None
+
+
+def test_a_shard_written_after_its_buckets_gather_is_gathered_again(fake2):
+    """The head's weight is updated in place (through its DTensor) after the bucket was
+    gathered and before the head reads it: the waiting copy is stale, so the head gathers
+    its weight on its own (its bias still takes the bucket's copy)."""
+    model = graphshard.shard(Twice())
+
+    def scale(module: nn.Module, args: tuple) -> None:
+        with torch.no_grad():
+            module._parameters["weight"].mul_(2.0)
+
+    model.head.register_forward_pre_hook(scale)
+    with Collectives() as forward:
+        model(torch.randn(3, 8)).backward()
+    assert _counts(forward)[0] == 3  # the bucket, inner's own again, the head's weight
+    assert shard_state(model).bucket_stash == {}

@@ -1,20 +1,29 @@
-"""Eagerly, one all-gather per bucket: :func:`gather_bucket`, :func:`take_gathered`.
+"""Eagerly, one all-gather and one reduce-scatter per bucket: :func:`gather_bucket`,
+:func:`take_gathered`.
 
-The compiled step gathers a bucket's parameters in one collective. Eagerly each read used to
-gather its own parameter: llama-small at world 2 issued 40 all-gathers a forward where the
-compiled step issues 12, and on gloo, where every collective costs a fixed latency, the eager
-forward (and a generation loop, one forward per token) paid for the difference.
+The compiled step moves a bucket's parameters and gradients in one collective each. Eagerly
+each read used to gather its own parameter and reduce its own gradient: an eager step of
+llama-small at world 2 issued 79 collectives, FSDP2's 14, and on gloo, where every collective
+costs a fixed latency, the eager step (and a generation loop, one forward per token) paid for
+the difference.
 
 So the first eager read of a bucket's parameter in a forward gathers every parameter of the
-bucket that travels alike (same group, dtype and device once cast) in one collective, as
-FSDP2 gathers a module's parameters on entry. The copies wait in ``state.bucket_stash`` for
-their reads; each read takes its own (:func:`take_gathered`), and gets autograd exactly as the
-per-parameter gather does (the same backward: :func:`graphshard.api.eager_kernels.
-from_gathered`). A bucket is gathered whole once per forward. A parameter read again after
-its copy was let go gathers with the rest of its module's parameters in the bucket (a module
-called a second time), not with the whole bucket (a tied weight read at both ends of the
-model gathers alone). What no read took is dropped when the forward ends
-(:func:`end_forward`).
+bucket that travels alike (same group, dtype and device once cast, same reduction of the
+gradients) in one collective, as FSDP2 gathers a module's parameters on entry. The copies
+wait in ``state.bucket_stash`` for their reads, and each read takes its own
+(:func:`take_gathered`).
+
+- The reads that train with nothing held back (gradient sync on, no ``no_sync`` gradient to
+  fold in, no tensor-parallel re-wrap) take outputs of one autograd node
+  (:func:`graphshard.api.eager_kernels.read_bucket`), whose backward reduce-scatters their
+  gradients in one collective.
+- Any other read gets ``unshard``'s autograd for its copy
+  (:func:`graphshard.api.eager_kernels.from_gathered`): one reduction each, as before.
+
+A bucket is gathered whole once per forward. A parameter read again after its copy was let
+go gathers with the rest of its module's parameters in the bucket (a module called a second
+time), not with the whole bucket (a tied weight read at both ends of the model gathers
+alone). What no read took is dropped when the forward ends (:func:`end_forward`).
 
 Ranks issue the same collectives in the same order as long as they read the same buckets in
 the same order, which the per-parameter gathers needed too (and the end-of-forward check of
@@ -66,12 +75,12 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
         wanted = again
     state.buckets_gathered.add(entry.bucket)
     members = state.bucket_members.get(entry.bucket, ())
-    key = _travels_as(entry, members)
+    key = next((_travels_as(e, spec) for e, spec in members if e is entry), None)
     if key is None:
         return
     reads = [(e, spec) for e, spec in members
              if (wanted is None or id(e) in wanted) and id(e) not in state.bucket_stash
-             and _travels_as(e, members) == key]
+             and _travels_as(e, spec) == key]
     if len(reads) < 2:  # alone, the per-parameter gather is this one, without the copy out
         return
     world, group_name = key[0], key[1]
@@ -89,8 +98,7 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
         for i, output in zip(trained, outputs, strict=True):
             fulls[i] = output
     for (e, _), full in zip(reads, fulls, strict=True):
-        local = e.param._local_tensor
-        state.bucket_stash[id(e)] = (full, local, local._version)
+        state.bucket_stash[id(e)] = (full, e.param._local_tensor, _versions(e))
 
 
 def _reads_together(state: ShardState, entry: ShardedParam) -> bool:
@@ -113,11 +121,17 @@ def take_gathered(state: ShardState, entry: ShardedParam) -> tuple[torch.Tensor,
     stashed = state.bucket_stash.pop(id(entry), None)
     if stashed is None:
         return None
-    full, local, version = stashed
-    now = entry.param._local_tensor
-    if now is not local or now._version != version:
+    full, local, versions = stashed
+    if entry.param._local_tensor is not local or _versions(entry) != versions:
         return None
     return full, full.grad_fn is not None
+
+
+def _versions(entry: ShardedParam) -> tuple[int, int]:
+    """The version counters of ``entry``'s DTensor and of its local shard: an in-place update
+    through the DTensor counts on the DTensor only, one of the local tensor on it only."""
+    param = entry.param
+    return param._version, param._local_tensor._version
 
 
 def end_forward(state: ShardState) -> None:
@@ -126,8 +140,7 @@ def end_forward(state: ShardState) -> None:
     state.bucket_stash.clear()
 
 
-def _travels_as(entry: ShardedParam, members: list[tuple[ShardedParam, UnshardSpec]]
-                ) -> tuple | None:
+def _travels_as(entry: ShardedParam, spec: UnshardSpec) -> tuple | None:
     """What decides whether two members can share one collective: the group, the dtype and
     device they are gathered in, and how their gradients are reduced. None for a parameter
     without values to gather."""
@@ -137,7 +150,6 @@ def _travels_as(entry: ShardedParam, members: list[tuple[ShardedParam, UnshardSp
     local = param._local_tensor
     if local.is_meta:
         return None
-    spec = next(spec for e, spec in members if e is entry)
     dtype = spec.param_dtype or local.dtype
     device = spec.compute_device or local.device.type
     return (spec.world_size, spec.group_name, dtype, device, spec.reduce_dtype,

@@ -1,6 +1,7 @@
-"""Eagerly, one gather per parameter per module call: :func:`read_once`, :func:`release`.
+"""Eagerly, one gathered copy per parameter per module call: :func:`read_once`, :func:`release`.
 
-An eager read of a sharded parameter inside a forward all-gathers it, and ranks pair their
+An eager read of a sharded parameter inside a forward gathers it (with the rest of its
+bucket: :mod:`graphshard.api.bucket_gathers`), and ranks pair their
 collectives by the order they issue them. Code that reads one parameter a number of times
 that depends on the data issues a different number of gathers on each rank: Hugging Face's
 loop over the experts a batch was routed to (``experts_implementation="eager"``) reads the
