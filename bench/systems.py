@@ -40,6 +40,8 @@ times, memory and losses can be read side by side:
   bucket_bytes=8000000]``, ``graphshard-compiled[reshard_after_forward=False]`` or
   ``graphshard-compiled[compile_blocks_once=False]``: interleaved
   with the default in one run, it measures what an option changes on this machine.
+  ``graphshard-eager[reshard_after_forward=False]`` (and the offload one's) takes the
+  ``graphshard.shard`` options alone.
 
 Mixed precision (``--mixed-precision bf16|fp16``, :data:`MIXED_PRECISION`) is each system's
 own mechanism, with gradients reduced in fp32 and fp32 master weights and optimizer state
@@ -130,14 +132,15 @@ def trains_alone(fake_world: bool) -> frozenset[str]:
 
 
 # graphshard-compiled with other options: ``graphshard-compiled[key=value,...]``.
-_VARIANT = re.compile(r"graphshard-(?:offload-)?compiled\[(?P<options>.*)\]")
+_VARIANT = re.compile(r"graphshard-(?:offload-)?(?P<kind>compiled|eager)\[(?P<options>.*)\]")
 # The options a variant passes to ``graphshard.shard``; the rest go to ``graphshard.backend``.
 SHARD_OPTIONS = frozenset({"reshard_after_forward", "compile_blocks_once"})
 
 
 def variant_options(name: str) -> dict[str, Any] | None:
     """The options of a graphshard-compiled variant (or of graphshard-offload-compiled, CPU
-    offload's), None where ``name`` is not one.
+    offload's, or of an eager one, which takes :data:`SHARD_OPTIONS` only), None where
+    ``name`` is not one.
 
     ``graphshard-compiled[bucketing=size,bucket_bytes=8_000_000]`` gives
     ``{"bucketing": "size", "bucket_bytes": 8000000}``: each value is a Python literal
@@ -167,6 +170,9 @@ def variant_options(name: str) -> dict[str, Any] | None:
             continue
         allowed = "True, False or auto" if key == "reshard_after_forward" else "True or False"
         raise ValueError(f"{name}: {key} must be {allowed}, got {value!r}")
+    if match["kind"] == "eager" and options.keys() - SHARD_OPTIONS:
+        raise ValueError(f"{name}: an eager variant takes only graphshard.shard options "
+                         f"({', '.join(sorted(SHARD_OPTIONS))})")
     try:
         graphshard.backend(**{k: v for k, v in options.items() if k not in SHARD_OPTIONS})
     except (TypeError, ValueError) as exc:
@@ -177,7 +183,8 @@ def variant_options(name: str) -> dict[str, Any] | None:
 def is_offload(name: str) -> bool:
     """Whether ``name`` offloads to the host: one of :data:`OFFLOAD_SYSTEMS` or a
     graphshard-offload-compiled variant."""
-    return name in OFFLOAD_SYSTEMS or name.startswith("graphshard-offload-compiled[")
+    return name in OFFLOAD_SYSTEMS or name.startswith(("graphshard-offload-compiled[",
+                                                         "graphshard-offload-eager["))
 
 
 def is_system(name: str) -> bool:
@@ -370,7 +377,7 @@ def _graphshard(
         )
     model = graphshard.shard(build_model(ctx, name, on_host=offload), _mesh(group, ctx),
                              **shard_options)
-    if name.endswith("-eager"):
+    if name.partition("[")[0].endswith("-eager"):
         return System(name, model, model, _adamw(model, ctx), group=group,
                       clip=graphshard.clip_grad_norm_)
     backend = graphshard.backend(**options)

@@ -101,6 +101,14 @@ class ShardState:
     bucket_members: dict = field(default_factory=dict)
     buckets_gathered: set = field(default_factory=set)
     bucket_stash: dict = field(default_factory=dict)
+    # reshard_after_forward=True eagerly (graphshard.api.eager_reshard): while an eager forward
+    # runs, its gathered copies by storage (else None); handles alive per (forward, record);
+    # copies gathered again for the backward; whether their clearing is queued
+    reshard_copies: dict | None = None
+    resharded_live: dict = field(default_factory=dict)
+    regathered: dict = field(default_factory=dict)
+    regathered_clear_queued: bool = False
+    root_resharding: bool = False  # the running root forward put those hooks in place
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

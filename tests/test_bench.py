@@ -342,12 +342,15 @@ def test_variant_options_parse_literals_and_say_what_is_wrong():
         "graphshard-compiled[bucketing=sz]": "bucketing must be one of",
         "graphshard-compiled[reshard_after_forward=0]": "must be True, False or auto",
         "graphshard-compiled[compile_blocks_once=auto]": "must be True or False",
+        "graphshard-eager[bucketing=size]": "an eager variant takes only graphshard.shard",
     }
     for name, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             variant_options(name)
     assert variant_options("graphshard-compiled[reshard_after_forward=auto]") == {
         "reshard_after_forward": "auto"}
+    assert variant_options("graphshard-eager[reshard_after_forward=False]") == {
+        "reshard_after_forward": False}
 
 
 def test_systems_list_keeps_a_variants_commas():

@@ -96,10 +96,11 @@ def test_a_module_call_gathers_each_parameter_once_however_often_it_reads_it(fak
     # second call its own two again (its copies went when the first returned), the head
     # takes its copies from the first: two gathers whatever ``times`` is (14 at times=3 when
     # every read gathered, 6 when each parameter gathered alone), and one reduce-scatter for
-    # each of the two (6 when each parameter reduced alone)
+    # each of the two (6 when each parameter reduced alone); the backward gathers the
+    # bucket once more (reshard_after_forward=True: the forward let its copies go)
     assert len(shard_state(model).bucket_members) == 1
     assert _counts(forward) == (2, 0)
-    assert _counts(backward) == (0, 2)
+    assert _counts(backward) == (1, 2)
     assert all(p.grad is not None for p in model.parameters())
     assert shard_state(model).eager_gathered == {}
 
@@ -185,6 +186,64 @@ def test_a_shard_written_after_its_buckets_gather_is_gathered_again(fake2):
 
     model.head.register_forward_pre_hook(scale)
     with Collectives() as forward:
-        model(torch.randn(3, 8)).backward()
+        loss = model(torch.randn(3, 8))
+    loss.backward()
     assert _counts(forward)[0] == 3  # the bucket, inner's own again, the head's weight
     assert shard_state(model).bucket_stash == {}
+
+
+class Remembers(Reads):
+    """:class:`Reads` that keeps a weak reference to the memory of the copy of ``w`` its
+    forward read (autograd saves a view of the copy, ``w.t()``, not the tensor itself)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.w.untyped_storage()._weak_ref()
+        return super().forward(x)
+
+    def copy_alive(self) -> bool:
+        return not torch.UntypedStorage._expired(self.seen)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_an_eager_forward_that_reshards_lets_go_of_the_copies_it_saved(fake2, reshard):
+    """``reshard_after_forward=True`` eagerly: the copy of ``w`` that autograd saved for the
+    backward is gone when the forward returns, and the backward gathers the bucket again
+    (once), then lets go of that too; with False autograd keeps the forward's copy and the
+    backward gathers nothing."""
+    model = graphshard.shard(Remembers(), reshard_after_forward=reshard)
+    model.times = 1
+    state = shard_state(model)
+    x = torch.randn(3, 8, requires_grad=True)  # so that F.linear saves its weight
+    loss = model(x).sum()
+    assert model.copy_alive() is not reshard
+    torch.UntypedStorage._free_weak_ref(model.seen)
+    with Collectives() as backward:
+        loss.backward()
+    assert _counts(backward) == (1 if reshard else 0, 1)
+    assert model.w.grad is not None and model.b.grad is not None and x.grad is not None
+    del loss
+    assert state.resharded_live == {} and state.regathered == {}
+
+
+def test_hooks_around_the_forward_still_see_the_other_saved_tensors(fake2):
+    """A user's saved-tensor hooks around the forward (``save_on_cpu`` and the like) keep
+    packing what autograd saves besides the gathered copies, and unpack it in the backward."""
+    model = graphshard.shard(Reads())
+    packed, unpacked = [], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.shape)
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(t.shape)
+        return t
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = model(x).sum()
+    assert (3, 8) in packed  # the input, saved by F.linear for w's gradient
+    assert (4, 8) not in packed  # w's copy: graphshard's handle, not the user's
+    loss.backward()
+    assert sorted(unpacked) == sorted(packed)
+    assert x.grad is not None and model.w.grad is not None

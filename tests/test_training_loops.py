@@ -149,7 +149,8 @@ def test_an_rl_step_inside_unshard_samples_and_trains_like_one_process(ranks, op
     after the step (the held copies, stale after it, were gathered again), with torch's SGD
     through the DTensors and with fused AdamW run on the local shards. Gathers inside the
     hold, after its own: one per bucket for the training forward (a held copy has no
-    autograd history) and one after the step; none while decoding."""
+    autograd history) and one after the step; none while decoding (and in the backward at
+    most one per bucket, for what the training forward let go)."""
     plain = reference_rollout(WORLD, optimizer)
     for rank, res in enumerate(_result(ranks, ("rollout", optimizer))):
         assert res["samples"].shape[1] == 4 + 3 + rank
@@ -159,6 +160,7 @@ def test_an_rl_step_inside_unshard_samples_and_trains_like_one_process(ranks, op
         assert torch.equal(res["again"], plain["again"][rank])
         assert res["held"] == res["params"]
         assert res["gathers"] == 2 * res["buckets"], res["gathers"]
+        assert 0 < res["backward_gathers"] <= res["buckets"]  # what the forward let go
         assert res["buckets"] < res["params"]
 
 

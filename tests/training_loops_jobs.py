@@ -518,7 +518,9 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
     """:func:`rollout` inside ``graphshard.unshard(model)``: generation reads held copies
     and runs no collective, so the ranks may decode different numbers of steps (gathering
     per call, they would pair their gathers wrongly); the training forward gathers as always,
-    and the optimizer step makes the held copies stale, so the reads after it gather again."""
+    and the optimizer step makes the held copies stale, so the reads after it gather again.
+    (The backward gathers again what the training forward let go, reshard_after_forward=True:
+    counted apart.)"""
     from graphshard.api.sharding import shard_state
     from graphshard.passes.markers import UNSHARD
 
@@ -531,6 +533,8 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
         result = rollout(model, optimizer, {rank: rollout_prompt(rank)})
     return {**{key: value[0] for key, value in result.items()},
             "held": len(held_names), "gathers": gathers[UNSHARD] + gathers[all_gather],
+            "backward_gathers": (gathers[("backward", UNSHARD)]
+                                 + gathers[("backward", all_gather)]),
             "params": len(list(model.parameters())),
             "buckets": len({e.bucket for e in shard_state(model).params}),
             "state": {name: full(p) for name, p in model.named_parameters()}}
@@ -548,14 +552,17 @@ def _count_gathers(counts: Counter):
     """Count the ops dispatched while active (the eager gathers are ``graphshard::unshard``
     and a bucket's all-gather). The all-gather of one element, the ranks' comparison of
     their forwards (``graphshard.safety.rank_agreement``), is counted apart, as
-    ``"digest"``."""
+    ``"digest"``, and what a backward dispatches as ``("backward", op)``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts["digest" if func is all_gather and args[0].numel() == 1 else func] += 1
+            key = "digest" if func is all_gather and args[0].numel() == 1 else func
+            if torch._C._current_graph_task_id() != -1:  # in a backward
+                key = ("backward", key)
+            counts[key] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():

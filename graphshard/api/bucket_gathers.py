@@ -49,7 +49,8 @@ from graphshard.passes.layout import (
 from graphshard.passes.markers import GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
 
-__all__ = ["end_forward", "gather_bucket", "register_bucket_member", "take_gathered"]
+__all__ = ["end_forward", "gather_bucket", "gather_copies", "register_bucket_member",
+           "take_gathered", "travels_as"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -75,22 +76,15 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
         wanted = again
     state.buckets_gathered.add(entry.bucket)
     members = state.bucket_members.get(entry.bucket, ())
-    key = next((_travels_as(e, spec) for e, spec in members if e is entry), None)
+    key = next((travels_as(e, spec) for e, spec in members if e is entry), None)
     if key is None:
         return
     reads = [(e, spec) for e, spec in members
              if (wanted is None or id(e) in wanted) and id(e) not in state.bucket_stash
-             and _travels_as(e, spec) == key]
+             and travels_as(e, spec) == key]
     if len(reads) < 2:  # alone, the per-parameter gather is this one, without the copy out
         return
-    world, group_name = key[0], key[1]
-    with torch.no_grad(), torch.inference_mode(False):
-        gathered, layouts = _gather(reads, world, group_name)
-        fulls, offset = [], 0
-        for layout in layouts:
-            part = gathered[:, offset:offset + layout.piece_numel]
-            offset += layout.piece_numel
-            fulls.append(full_from_gathered(eager, part.reshape(-1), layout))
+    fulls = gather_copies(reads)
     trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
     if len(trained) > 1:  # their gradients are reduced together too
         outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
@@ -99,6 +93,21 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
             fulls[i] = output
     for (e, _), full in zip(reads, fulls, strict=True):
         state.bucket_stash[id(e)] = (full, e.param._local_tensor, _versions(e))
+
+
+def gather_copies(reads: list[tuple[ShardedParam, UnshardSpec]]) -> list[torch.Tensor]:
+    """The full copies of the parameters in ``reads`` (records and their ``UnshardSpec``, all
+    travelling alike), gathered in one collective, without autograd."""
+    first = reads[0][1]
+    with torch.no_grad(), torch.inference_mode(False):
+        gathered, layouts = _gather(reads, first.world_size, first.group_name)
+        fulls, offset = [], 0
+        for layout in layouts:
+            part = gathered[:, offset:offset + layout.piece_numel]
+            offset += layout.piece_numel
+            # contiguous: a piece of one element per rank would view as a strided column
+            fulls.append(full_from_gathered(eager, part.reshape(-1).contiguous(), layout))
+    return fulls
 
 
 def _reads_together(state: ShardState, entry: ShardedParam) -> bool:
@@ -140,7 +149,7 @@ def end_forward(state: ShardState) -> None:
     state.bucket_stash.clear()
 
 
-def _travels_as(entry: ShardedParam, spec: UnshardSpec) -> tuple | None:
+def travels_as(entry: ShardedParam, spec: UnshardSpec) -> tuple | None:
     """What decides whether two members can share one collective: the group, the dtype and
     device they are gathered in, and how their gradients are reduced. None for a parameter
     without values to gather."""
@@ -178,7 +187,10 @@ def _gather(reads: list[tuple[ShardedParam, UnshardSpec]], world: int, group_nam
 
 def _stored_flat(reads: list[tuple[ShardedParam, UnshardSpec]]) -> torch.Tensor | None:
     """The bucket's flat buffer (:mod:`graphshard.api.bucket_storage`) when it is exactly
-    the pieces to send, in this order: then nothing is copied in."""
+    the pieces to send, in this order: then nothing is copied in. (Not where it was laid out
+    for another number of ranks: ``shard()`` lays a bucket out for its mesh's last dim, and a
+    parameter that tensor parallelism left replicated on a (dp, tp) mesh is gathered over
+    dp.)"""
     group = reads[0][0].storage_group
     if group is None or group.flat is None or not group.laid_out():
         return None
@@ -188,4 +200,10 @@ def _stored_flat(reads: list[tuple[ShardedParam, UnshardSpec]]) -> torch.Tensor 
     if any(spec.param_dtype not in (None, e.param._local_tensor.dtype) or spec.compute_device
            for e, spec in reads):
         return None
-    return group.flat
+    flat = group.flat
+    offset, itemsize = flat.data_ptr(), flat.element_size()
+    for e, spec in reads:  # each shard at its piece, the pieces as this gather lays them out
+        if e.param._local_tensor.data_ptr() != offset:
+            return None
+        offset += Dim0Layout(spec.full_shape, spec.world_size).piece_numel * itemsize
+    return flat if offset == flat.data_ptr() + flat.numel() * itemsize else None

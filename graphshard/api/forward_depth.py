@@ -39,6 +39,7 @@ import torch._dynamo.side_effects
 import torch._dynamo.utils
 from torch import nn
 
+from graphshard.api import eager_reshard
 from graphshard.api.bucket_gathers import end_forward
 from graphshard.api.eager_gathers import release
 from graphshard.api.eager_roots import run_eagerly_as_root
@@ -118,11 +119,14 @@ def counted_call(state: ShardState, fn: Callable[..., Any], /, *args: Any, **kwa
                  ) -> Any:
     """``fn(*args, **kwargs)`` counted as a forward of the model whose state is ``state``
     (eagerly; call it outside tracing)."""
+    resharding = state.forward_depth == 0 and eager_reshard.begin(state)
     state.forward_depth += 1
     try:
         output = fn(*args, **kwargs)
     except BaseException as error:
         state.forward_depth -= 1
+        if resharding:
+            eager_reshard.end(state)
         updated = (updated_read(state) if isinstance(error, Exception)
                    and not isinstance(error, GraphshardError) else None)
         _leave(state, unwinding=True)
@@ -130,6 +134,8 @@ def counted_call(state: ShardState, fn: Callable[..., Any], /, *args: Any, **kwa
             raise mutation_error(updated, "update") from error
         raise
     state.forward_depth -= 1
+    if resharding:
+        eager_reshard.end(state)
     _leave(state, unwinding=False)
     return output
 
@@ -238,6 +244,8 @@ def _enter_root_forward(state: ShardState) -> Callable[..., None]:
         refuse_plain_parameters(module, state)
         refuse_data_assignments(state.params)
         _mark_compiled_call(state, torch.compiler.is_compiling())
+        if not torch.compiler.is_compiling() and state.forward_depth == 0:
+            state.root_resharding = eager_reshard.begin(state)
         _count_forward(state, 1)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)
@@ -251,6 +259,9 @@ def _exit_forward(state: ShardState) -> Callable[..., None]:
         _count_forward(state, -1)
         if state.forward_depth == 0:
             _mark_compiled_call(state, False)
+            if not torch.compiler.is_compiling() and state.root_resharding:
+                state.root_resharding = False
+                eager_reshard.end(state)
         _leave(state, unwinding=sys.exc_info()[1] is not None)
 
     setattr(hook, DEPTH_HOOK_ATTR, True)

@@ -40,6 +40,7 @@ from graphshard.api.bucket_gathers import gather_bucket, register_bucket_member,
 from graphshard.api.bucket_storage import STORAGES_ATTR, place, register_storage_slots
 from graphshard.api.eager_gathers import read_once, served_copy
 from graphshard.api.eager_kernels import from_gathered
+from graphshard.api.eager_reshard import register_copy
 from graphshard.api.eager_roots import note_eager_read_under_compile, run_eagerly_as_root
 from graphshard.api.functional_calls import exporting, refuse_export
 from graphshard.api.local_inputs import (
@@ -256,6 +257,7 @@ def _sharded_read(self: nn.Module, name: str) -> Any:
     served = served_copy(state, param_name, given, gather)  # graphshard.unshard
     full, gathered = served if served is not None else read_once(state, param_name, gather)
     if gathered:
+        register_copy(state, full, entry, self._graphshard_specs[name][1])
         note_eager_read(state, full, param_name)
         if state.compiled_call:
             note_eager_read_under_compile(_class_name(self), param_name)

@@ -9,6 +9,8 @@ the CPU fake world), which proves the cases and their references right where no 
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from gpu_harness import (
@@ -128,7 +130,10 @@ def case_clip_grad_norm(world: World, mode: str) -> None:
     graphshard's local norms (:mod:`graphshard.api.grad_norm_ops`), ``graphshard.clip_grad_norm_``
     on a copy of the gradients, and torch's through DTensor's dispatch on another: the same
     total norm and gradients, bit for bit, on the device; the local norms serve every step
-    after the first. Training then goes on with the clipped gradients."""
+    after the first. Training then goes on with the clipped gradients. (Earlier cases'
+    models are collected first: a sharded model found garbage makes the local path forget
+    what it remembered, and the collection would otherwise come when it pleases.)"""
+    gc.collect()
     job = llama_job()
     served: list[int] = []  # norms wrapped by the local path, per step
     wrap = grad_norm_ops.wrap_local

@@ -1,0 +1,203 @@
+"""Eagerly, ``reshard_after_forward=True``: the gathered copies a forward saves for the
+backward are let go and gathered again when the backward needs them.
+
+Compiled, ``reshard`` frees each bucket's gathered parameters after the forward and the
+backward gathers them again. Eagerly, autograd itself kept them: ``F.linear`` saves its
+weight, so every gathered parameter stayed alive from its read to the backward, and an eager
+forward held the whole model unsharded at its end, as DDP does (FSDP2 frees them).
+
+So while an eager forward of a model sharded with ``reshard_after_forward=True`` (or
+``"auto"``, which eagerly runs as ``True``) runs and records gradients, saved-tensor hooks
+are in place (:func:`begin`, :func:`end`). A tensor autograd saves that is a gathered copy,
+or a view of one, is saved as a :class:`_Saved` handle: the parameter's record and the
+view's geometry. The copy goes when the reads let go of it. When the backward unpacks a
+handle, the copy is gathered again, together with the other parameters of its bucket whose
+handles are still alive (one collective), and the view made over it. It is let go once the
+last handle of its parameter is (autograd frees a saved tensor after the node that saved it
+has run), and at the latest at the end of the backward.
+
+- Hooks a user had in place around the forward (``torch.autograd.graph.save_on_cpu``) still
+  pack and unpack every other saved tensor: graphshard's hooks hand those on. Hooks pushed
+  inside the forward (``torch.utils.checkpoint``'s) take precedence there, as they would over
+  any outer hooks.
+- A backward with ``create_graph=True`` (a gradient penalty) needs the copy's autograd
+  history: the unpacked copy is gathered again through ``unshard``'s autograd, whose backward
+  reduces into the shard as the forward's read would have.
+- ``reshard_after_forward=False`` keeps the copies for the backward, as before: no second
+  gather, the memory of the unsharded model at the end of the forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from graphshard.api.bucket_gathers import gather_copies, travels_as
+from graphshard.errors import GraphshardRuntimeError
+from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
+from graphshard.records import ShardedParam, ShardState
+
+__all__ = ["begin", "end", "register_copy"]
+
+_FORWARDS = itertools.count()
+
+
+class _Saved:
+    """What is saved for the backward in place of a gathered copy (or a view of one)."""
+
+    __slots__ = ("state", "key", "entry", "spec", "geometry")
+
+    def __init__(self, state: ShardState, key: tuple[int, int], entry: ShardedParam,
+                 spec: UnshardSpec, t: torch.Tensor, copy: torch.Tensor) -> None:
+        self.state, self.key, self.entry, self.spec = state, key, entry, spec
+        # the view's shape, strides and offset from the copy's first element (a copy may
+        # start inside its storage, and one gathered again elsewhere in its own)
+        self.geometry = (tuple(t.shape), t.stride(), t.storage_offset() - copy.storage_offset())
+        live = state.resharded_live
+        live[key] = live.get(key, 0) + 1
+
+    def __del__(self) -> None:  # autograd let go of it: after its node ran, or unused
+        _let_go(self.state, self.key)
+
+
+def _let_go(state: ShardState, key: tuple[int, int]) -> None:
+    """A handle was freed: with its parameter's last one, its copy gathered again goes."""
+    live = state.resharded_live
+    left = live.get(key, 0) - 1
+    if left > 0:
+        live[key] = left
+        return
+    live.pop(key, None)
+    state.regathered.pop(key, None)
+
+
+def begin(state: ShardState) -> bool:
+    """At the start of an eager forward (none running): put the hooks in place where the
+    model reshards after the forward and autograd records; whether it did."""
+    if (state.reshard_after_forward is False or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+            or torch._C._current_graph_task_id() != -1):
+        return False
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    forward = next(_FORWARDS)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = _as_saved(state, forward, t)
+        if saved is not None:
+            return saved
+        return outer_pack(t) if outer_pack is not None else t
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Saved):
+            return _unpack(packed)
+        return outer_unpack(packed) if outer_unpack is not None else packed
+
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    state.reshard_copies = {}
+    return True
+
+
+def end(state: ShardState) -> None:
+    """At the end of a forward :func:`begin` put the hooks in place for."""
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    state.reshard_copies = None
+
+
+def register_copy(state: ShardState, full: Any, entry: ShardedParam, spec: UnshardSpec
+                  ) -> None:
+    """A read gathered ``full``, the copy of ``entry``'s parameter: what the hooks save of it
+    is a handle (while :func:`begin`'s hooks are in place)."""
+    copies = state.reshard_copies
+    if copies is None or type(full) is not torch.Tensor or full.numel() == 0:
+        return
+    copies.setdefault(full.untyped_storage().data_ptr(), []).append(
+        (weakref.ref(full), entry, spec))
+
+
+def _as_saved(state: ShardState, forward: int, t: torch.Tensor) -> _Saved | None:
+    """The handle for ``t`` if it is a gathered copy this forward read, or a view of one."""
+    copies = state.reshard_copies
+    if not copies or type(t) is not torch.Tensor or t.numel() == 0:
+        return None
+    known = copies.get(t.untyped_storage().data_ptr())
+    if not known:
+        return None
+    first, last = _extent(t)
+    for ref, entry, spec in known:
+        copy = ref()  # None: let go already, its memory may hold another tensor now
+        if (copy is None or copy.dtype != t.dtype or copy.device != t.device
+                or not copy.is_contiguous()):  # a copy gathered again is contiguous
+            continue
+        start, end = _extent(copy)
+        if start <= first and last <= end:  # t lies within this copy
+            return _Saved(state, (forward, id(entry)), entry, spec, t, copy)
+    return None
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The first and last storage elements ``t`` reaches."""
+    first = t.storage_offset()
+    return first, first + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+def _unpack(saved: _Saved) -> torch.Tensor:
+    """The saved view, over the copy gathered again (module docstring)."""
+    shape, stride, offset = saved.geometry
+    if torch.is_grad_enabled():  # create_graph: the copy needs its autograd history
+        full = _regathered_with_history(saved)
+    else:
+        full = saved.state.regathered.get(saved.key)
+        if full is None:
+            full = _gather_again(saved)
+    full = full.contiguous()
+    return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+
+def _gather_again(saved: _Saved) -> torch.Tensor:
+    """Gather ``saved``'s parameter again, with the other members of its bucket whose
+    handles from the same forward are alive and not gathered again yet, in one collective;
+    keep the copies until their last handle goes or the backward ends. (Outside a backward,
+    where a saved tensor is read through its node, ``grad_fn._saved_self``, only
+    ``saved``'s, kept by nobody.)"""
+    state, forward = saved.state, saved.key[0]
+    key = travels_as(saved.entry, saved.spec)
+    reads = [(e, spec) for e, spec in state.bucket_members.get(saved.entry.bucket, ())
+             if (e is saved.entry
+                 or ((forward, id(e)) in state.resharded_live
+                     and (forward, id(e)) not in state.regathered
+                     and travels_as(e, spec) == key))]
+    if torch._C._current_graph_task_id() == -1 or all(e is not saved.entry for e, _ in reads):
+        return gather_copies([(saved.entry, saved.spec)])[0]
+    fulls = gather_copies(reads)
+    for (e, _), full in zip(reads, fulls, strict=True):
+        state.regathered[(forward, id(e))] = full
+    if not state.regathered_clear_queued:  # whatever is left goes with the backward
+        state.regathered_clear_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _clear(state))
+    return state.regathered[saved.key]
+
+
+def _clear(state: ShardState) -> None:
+    state.regathered.clear()
+    state.regathered_clear_queued = False
+
+
+def _regathered_with_history(saved: _Saved) -> torch.Tensor:
+    """The copy gathered again through ``unshard``, for a backward that records its own
+    (``create_graph=True``): the gradient through it reaches the shard as the forward read's
+    would, when that read synchronised gradients."""
+    state, entry = saved.state, saved.entry
+    if state.sync != GradSync.FULL:
+        raise GraphshardRuntimeError(
+            f"graphshard: a backward with create_graph=True through the eager model inside "
+            f"no_sync (or with set_requires_all_reduce(False)) cannot gather parameter "
+            f"{entry.names[0]!r} again with its gradient held back. Pass "
+            f"reshard_after_forward=False to graphshard.shard() (the gathered parameters are "
+            f"kept for the backward), or leave create_graph off inside no_sync.")
+    return UNSHARD(entry.param.to_local(), *saved.spec)
