@@ -109,6 +109,7 @@ class ShardState:
     regathered: dict = field(default_factory=dict)
     regathered_clear_queued: bool = False
     root_resharding: bool = False  # the running root forward put those hooks in place
+    reshard_kept: list = field(default_factory=list)  # the handles of the bucket saved last
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphshard
 from graphshard.api.sharding import shard_state
-from graphshard.errors import ShardedModelError
+from graphshard.errors import GraphshardRuntimeError, ShardedModelError
 from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -96,11 +96,11 @@ def test_a_module_call_gathers_each_parameter_once_however_often_it_reads_it(fak
     # second call its own two again (its copies went when the first returned), the head
     # takes its copies from the first: two gathers whatever ``times`` is (14 at times=3 when
     # every read gathered, 6 when each parameter gathered alone), and one reduce-scatter for
-    # each of the two (6 when each parameter reduced alone); the backward gathers the
-    # bucket once more (reshard_after_forward=True: the forward let its copies go)
+    # each of the two (6 when each parameter reduced alone); the backward gathers nothing
+    # again (the bucket saved last keeps its copies)
     assert len(shard_state(model).bucket_members) == 1
     assert _counts(forward) == (2, 0)
-    assert _counts(backward) == (1, 2)
+    assert _counts(backward) == (0, 2)
     assert all(p.grad is not None for p in model.parameters())
     assert shard_state(model).eager_gathered == {}
 
@@ -204,23 +204,37 @@ class Remembers(Reads):
         return not torch.UntypedStorage._expired(self.seen)
 
 
+class Chain(nn.Module):
+    """Two blocks, so two buckets: :class:`Remembers`, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Remembers(), nn.Linear(4, 4)])
+        self.blocks[0].times = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_an_eager_forward_that_reshards_lets_go_of_the_copies_it_saved(fake2, reshard):
-    """``reshard_after_forward=True`` eagerly: the copy of ``w`` that autograd saved for the
-    backward is gone when the forward returns, and the backward gathers the bucket again
-    (once), then lets go of that too; with False autograd keeps the forward's copy and the
-    backward gathers nothing."""
-    model = graphshard.shard(Remembers(), reshard_after_forward=reshard)
-    model.times = 1
+    """``reshard_after_forward=True`` eagerly: the copy of the first block's ``w`` that
+    autograd saved for the backward is gone when the forward returns, and the backward
+    gathers that bucket again (once), then lets go of that too; the last bucket keeps its
+    copies (the backward starts there). With False autograd keeps the forward's copies and
+    the backward gathers nothing."""
+    model = graphshard.shard(Chain(), reshard_after_forward=reshard)
+    first = model.blocks[0]
     state = shard_state(model)
+    assert len(state.bucket_members) == 2
     x = torch.randn(3, 8, requires_grad=True)  # so that F.linear saves its weight
     loss = model(x).sum()
-    assert model.copy_alive() is not reshard
-    torch.UntypedStorage._free_weak_ref(model.seen)
+    assert first.copy_alive() is not reshard
+    torch.UntypedStorage._free_weak_ref(first.seen)
     with Collectives() as backward:
         loss.backward()
-    assert _counts(backward) == (1 if reshard else 0, 1)
-    assert model.w.grad is not None and model.b.grad is not None and x.grad is not None
+    assert _counts(backward) == (1 if reshard else 0, 2)
+    assert all(p.grad is not None for p in model.parameters()) and x.grad is not None
     del loss
     assert state.resharded_live == {} and state.regathered == {}
 
@@ -247,3 +261,15 @@ def test_hooks_around_the_forward_still_see_the_other_saved_tensors(fake2):
     loss.backward()
     assert sorted(unpacked) == sorted(packed)
     assert x.grad is not None and model.w.grad is not None
+
+
+def test_a_parameter_updated_between_forward_and_backward_is_refused(fake2):
+    """With the forward's copies let go, the backward would gather the updated values and
+    compute gradients of a model that never ran; one process's autograd refuses the same."""
+    model = graphshard.shard(Reads())
+    loss = model(torch.randn(3, 8, requires_grad=True)).sum()
+    with torch.no_grad():
+        model.w.mul_(0.5)  # through the DTensor, as torch's optimizers step
+    with pytest.raises(GraphshardRuntimeError, match="'w', which the backward needs, was "
+                                                     "modified in place since the forward"):
+        loss.backward()

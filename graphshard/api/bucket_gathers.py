@@ -38,7 +38,7 @@ from collections.abc import Collection
 import torch
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.eager_kernels import read_bucket
+from graphshard.api.eager_kernels import local_of, read_bucket
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -88,7 +88,7 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
     if len(trained) > 1:  # their gradients are reduced together too
         outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
-                              [reads[i][0].param.to_local() for i in trained])
+                              [local_of(reads[i][0].param) for i in trained])
         for i, output in zip(trained, outputs, strict=True):
             fulls[i] = output
     for (e, _), full in zip(reads, fulls, strict=True):

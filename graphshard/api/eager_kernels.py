@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.tensor._api import _ToTorchTensor
 
 from graphshard.api import copy_streams  # noqa: F401  (the copies' kernels)
 from graphshard.api.reduce_scatter import reduce_scatter
@@ -245,6 +246,30 @@ def _reduce_together(ctx, present: list[int], grads: tuple) -> list[torch.Tensor
     return results
 
 
+class _ToLocalKeepingNone(_ToTorchTensor):
+    """``DTensor.to_local()`` whose backward passes an absent gradient on as absent. torch
+    2.11's materialises it as zeros, so a parameter of a bucket that no read took would get
+    a zero ``.grad`` where one process leaves it None (and AdamW's weight decay then moves
+    it); torch 2.13's already passes None on."""
+
+    @staticmethod
+    def forward(ctx, input, grad_placements):
+        ctx.set_materialize_grads(False)
+        return _ToTorchTensor.forward(ctx, input, grad_placements)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if grad_output is None:
+            return None, None
+        return _ToTorchTensor.backward(ctx, grad_output)
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """``param.to_local()`` for :func:`read_bucket`: a parameter no read used gets no
+    gradient, on every torch version."""
+    return _ToLocalKeepingNone.apply(param, None)
+
+
 def read_bucket(specs: list, fulls: list[torch.Tensor], shards: list[torch.Tensor]
                 ) -> tuple[torch.Tensor, ...]:
     """The reads that train of a bucket's parameters (``shards``, each read as its
@@ -303,4 +328,4 @@ torch.library.register_autograd(
     "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "read_bucket"]
+__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "local_of", "read_bucket"]

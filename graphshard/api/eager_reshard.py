@@ -14,7 +14,8 @@ view's geometry. The copy goes when the reads let go of it. When the backward un
 handle, the copy is gathered again, together with the other parameters of its bucket whose
 handles are still alive (one collective), and the view made over it. It is let go once the
 last handle of its parameter is (autograd frees a saved tensor after the node that saved it
-has run), and at the latest at the end of the backward.
+has run), and at the latest at the end of the backward. The bucket saved last keeps its
+copies: the backward starts with it (the compiled step keeps the bucket read last too).
 
 - Hooks a user had in place around the forward (``torch.autograd.graph.save_on_cpu``) still
   pack and unpack every other saved tensor: graphshard's hooks hand those on. Hooks pushed
@@ -48,7 +49,7 @@ _FORWARDS = itertools.count()
 class _Saved:
     """What is saved for the backward in place of a gathered copy (or a view of one)."""
 
-    __slots__ = ("state", "key", "entry", "spec", "geometry")
+    __slots__ = ("state", "key", "entry", "spec", "geometry", "shard", "copy")
 
     def __init__(self, state: ShardState, key: tuple[int, int], entry: ShardedParam,
                  spec: UnshardSpec, t: torch.Tensor, copy: torch.Tensor) -> None:
@@ -56,6 +57,8 @@ class _Saved:
         # the view's shape, strides and offset from the copy's first element (a copy may
         # start inside its storage, and one gathered again elsewhere in its own)
         self.geometry = (tuple(t.shape), t.stride(), t.storage_offset() - copy.storage_offset())
+        self.shard = _shard_versions(entry)
+        self.copy: torch.Tensor | None = None  # the forward's copy, kept (the last bucket)
         live = state.resharded_live
         live[key] = live.get(key, 0) + 1
 
@@ -106,6 +109,7 @@ def end(state: ShardState) -> None:
     """At the end of a forward :func:`begin` put the hooks in place for."""
     torch._C._autograd._pop_saved_tensors_default_hooks()
     state.reshard_copies = None
+    state.reshard_kept = []  # the last bucket's handles keep their copies, autograd the handles
 
 
 def register_copy(state: ShardState, full: Any, entry: ShardedParam, spec: UnshardSpec
@@ -135,8 +139,24 @@ def _as_saved(state: ShardState, forward: int, t: torch.Tensor) -> _Saved | None
             continue
         start, end = _extent(copy)
         if start <= first and last <= end:  # t lies within this copy
-            return _Saved(state, (forward, id(entry)), entry, spec, t, copy)
+            saved = _Saved(state, (forward, id(entry)), entry, spec, t, copy)
+            _keep_while_last(state, saved, copy)
+            return saved
     return None
+
+
+def _keep_while_last(state: ShardState, saved: _Saved, copy: torch.Tensor) -> None:
+    """The handles of the bucket saved last keep their copies: the backward starts with
+    that bucket, so gathering it again would be a collective for nothing (the compiled step
+    keeps the bucket read last too, as FSDP2 keeps its root's). A handle of another bucket
+    lets the previous bucket's copies go."""
+    kept = state.reshard_kept
+    if kept and kept[0].entry.bucket != saved.entry.bucket:
+        for handle in kept:
+            handle.copy = None
+        kept.clear()
+    saved.copy = copy
+    kept.append(saved)
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -145,11 +165,35 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return first, first + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
 
 
+def _shard_versions(entry: ShardedParam) -> tuple[int, int, int]:
+    """What tells that ``entry``'s shard changed: its local tensor and the version counters
+    of the DTensor and of that tensor (an update counts on one of them). (Not the model's
+    optimizer steps: a step over other parameters of the model, a GAN's discriminator,
+    changes nothing this backward reads. graphshard's fused step, which bumps no counter,
+    goes unseen.)"""
+    param = entry.param
+    local = param._local_tensor
+    return id(local), param._version, local._version
+
+
 def _unpack(saved: _Saved) -> torch.Tensor:
-    """The saved view, over the copy gathered again (module docstring)."""
+    """The saved view, over the copy gathered again (module docstring); raises if the
+    parameter changed since the forward, where autograd would have refused the saved tensor
+    of an unsharded model too."""
+    if _shard_versions(saved.entry) != saved.shard:
+        raise GraphshardRuntimeError(
+            f"graphshard: parameter {saved.entry.names[0]!r}, which the backward needs, was "
+            f"modified in place since the forward (an optimizer step, or an update of the "
+            f"parameter, between the forward and its backward). On one process autograd "
+            f"refuses this too (\"one of the variables needed for gradient computation has "
+            f"been modified by an inplace operation\"). Run the backward before updating the "
+            f"parameters, or pass reshard_after_forward=False to graphshard.shard() to keep "
+            f"the values the forward read for the backward.")
     shape, stride, offset = saved.geometry
     if torch.is_grad_enabled():  # create_graph: the copy needs its autograd history
         full = _regathered_with_history(saved)
+    elif saved.copy is not None:  # kept: the bucket saved last in the forward
+        full = saved.copy
     else:
         full = saved.state.regathered.get(saved.key)
         if full is None:

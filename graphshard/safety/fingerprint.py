@@ -80,7 +80,8 @@ _STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward",
                # the records by bucket (compared as "params"), and what eager forwards and
                # backwards hold for a moment (graphshard.api.bucket_gathers, .eager_reshard)
                "bucket_members", "bucket_stash", "buckets_gathered", "reshard_copies",
-               "resharded_live", "regathered", "regathered_clear_queued", "root_resharding"}
+               "resharded_live", "regathered", "regathered_clear_queued", "root_resharding",
+               "reshard_kept"}
 
 
 def shard_fingerprint(state: Any) -> dict[str, str]:
