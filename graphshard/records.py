@@ -101,6 +101,12 @@ class ShardState:
     bucket_members: dict = field(default_factory=dict)
     buckets_gathered: set = field(default_factory=set)
     bucket_stash: dict = field(default_factory=dict)
+    # gathers issued a bucket ahead: bucket -> bucket_gathers._PendingGather; the buckets the
+    # running forward gathered whole, in order, as (bucket, how its members travel); and
+    # what the last complete forward gathered after each bucket
+    bucket_prefetched: dict = field(default_factory=dict)
+    bucket_order_now: list = field(default_factory=list)
+    bucket_next: dict = field(default_factory=dict)
     # reshard_after_forward=True eagerly (graphshard.api.eager_reshard): while an eager forward
     # runs, its gathered copies by storage (else None); handles alive per (forward, record);
     # copies gathered again for the backward; whether their clearing is queued
@@ -108,6 +114,7 @@ class ShardState:
     resharded_live: dict = field(default_factory=dict)
     regathered: dict = field(default_factory=dict)
     regathered_clear_queued: bool = False
+    regather_pending: dict = field(default_factory=dict)  # issued a bucket ahead in a backward
     root_resharding: bool = False  # the running root forward put those hooks in place
     reshard_kept: list = field(default_factory=list)  # the handles of the bucket saved last
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts

@@ -273,3 +273,114 @@ def test_a_parameter_updated_between_forward_and_backward_is_refused(fake2):
     with pytest.raises(GraphshardRuntimeError, match="'w', which the backward needs, was "
                                                      "modified in place since the forward"):
         loss.backward()
+
+
+class Issued(TorchDispatchMode):
+    """Logs, into ``log``, each bucket's all-gather as it is issued (``G``), each wait for a
+    collective (``w``) and each parameter's own gather (``U``, whose collective runs below
+    the mode); hooks log each block's forward (``f0``) and backward (``b0``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _ALL_GATHER:
+            self.log.append("G")
+        elif func is UNSHARD:
+            self.log.append("U")
+        elif func is torch.ops._c10d_functional.wait_tensor.default:
+            self.log.append("w")
+        return func(*args, **(kwargs or {}))
+
+
+class Blocks(nn.Module):
+    """Four linear blocks (four buckets of two parameters); ``skip`` leaves block 1 out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = block(x)
+        return x
+
+
+def _blocks_logged(reshard: bool, log: list[str]) -> nn.Module:
+    """:class:`Blocks`, sharded, each block's calls logged."""
+    model = graphshard.shard(Blocks(), reshard_after_forward=reshard)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, args, i=i: log.append(f"f{i}"))
+        block.register_full_backward_pre_hook(lambda m, grads, i=i: log.append(f"b{i}"))
+    return model
+
+
+def _step_logged(model: nn.Module, log: list[str]) -> tuple[str, str]:
+    log.clear()
+    with Issued(log):
+        loss = model(torch.randn(3, 8, requires_grad=True)).sum()
+        log.append("|")
+        loss.backward()
+    forward, backward = " ".join(log).split(" | ")
+    return forward, " ".join(e for e in backward.split() if e != "w")
+
+
+def test_each_buckets_gather_is_issued_one_bucket_ahead(fake2):
+    """The first forward learns the order of the buckets; from the second on, a bucket's
+    gather is issued before the previous bucket computes (``f0 G G w``: block 0's gather,
+    block 1's, then the wait for block 0's), so it runs under that compute. The backward of
+    ``reshard_after_forward=True`` issues the gather of the bucket it needs next with the
+    one it needs now (the last bucket kept its copies). The gathers are as many as without
+    (four and three)."""
+    log: list[str] = []
+    model = _blocks_logged(True, log)
+    state = shard_state(model)
+    first, backward = _step_logged(model, log)
+    assert first == "f0 G w f1 G w f2 G w f3 G w"  # nothing known yet: each at its read
+    assert backward == "b3 b2 G G b1 G b0"  # block 2's, then block 1's ahead; block 0's ahead
+    for _ in range(2):
+        forward, backward = _step_logged(model, log)
+        assert forward == "f0 G G w f1 G w f2 G w f3 w"
+        assert backward == "b3 b2 G G b1 G b0"
+    assert state.bucket_prefetched == {} and state.regather_pending == {}
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_forward_in_another_order_drops_what_it_did_not_read(fake2):
+    """A forward that skips the bucket issued ahead (a data-dependent path) waits for it and
+    drops it at its end; the next complete forward sets the order anew."""
+    log: list[str] = []
+    model = _blocks_logged(False, log)
+    state = shard_state(model)
+    _step_logged(model, log)
+    model.skip = True  # block 1, whose gather block 0 issues, is not read
+    log.clear()
+    with Issued(log), torch.no_grad():
+        model(torch.randn(3, 8))
+    # block 0 issues block 1's, block 2 block 3's; block 1's is waited for at the end
+    assert " ".join(log) == "f0 G G w f2 G G w f3 w w"
+    assert state.bucket_prefetched == {}
+    log.clear()
+    with Issued(log), torch.no_grad():
+        model(torch.randn(3, 8))
+    assert " ".join(log) == "f0 G G w f2 G w f3 w"  # block 2's ahead of block 0's compute
+
+
+def test_a_shard_written_after_its_gather_was_issued_ahead_is_gathered_again(fake2):
+    """Block 0 scales block 1's weight in place after block 1's gather was issued ahead: the
+    copy on its way is stale, so block 1 gathers that weight on its own (its bias still
+    takes the bucket's copy)."""
+    log: list[str] = []
+    model = _blocks_logged(False, log)
+    _step_logged(model, log)
+
+    def scale(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            model.blocks[1]._parameters["weight"].mul_(2.0)
+
+    model.blocks[0].register_forward_hook(scale)
+    forward, _ = _step_logged(model, log)
+    assert forward == "f0 G G w f1 G w U f2 G w f3 w"  # block 1's weight again, alone

@@ -20,6 +20,14 @@ wait in ``state.bucket_stash`` for their reads, and each read takes its own
 - Any other read gets ``unshard``'s autograd for its copy
   (:func:`graphshard.api.eager_kernels.from_gathered`): one reduction each, as before.
 
+Each bucket's gather is issued one bucket ahead, as FSDP2 prefetches the next module's:
+a forward that gathers a bucket issues the gather of the bucket the last complete forward
+gathered after it (:func:`_prefetch_next`), and waits for it at that bucket's first read.
+On a GPU the collective then runs under this bucket's compute (NCCL's stream waits only for
+the kernels queued before it was issued); on gloo in a worker thread beside it. A forward
+that reads in another order takes what it reads and drops, after waiting for it, what it
+does not.
+
 A bucket is gathered whole once per forward. A parameter read again after its copy was let
 go gathers with the rest of its module's parameters in the bucket (a module called a second
 time), not with the whole bucket (a tied weight read at both ends of the model gathers
@@ -49,8 +57,8 @@ from graphshard.passes.layout import (
 from graphshard.passes.markers import GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
 
-__all__ = ["end_forward", "gather_bucket", "gather_copies", "register_bucket_member",
-           "take_gathered", "travels_as"]
+__all__ = ["end_forward", "gather_bucket", "gather_copies", "issue_gather",
+           "register_bucket_member", "take_gathered", "travels_as"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -72,6 +80,7 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     module called a second time) that have no copy waiting."""
     if state.world_size == 1 or id(entry) in state.bucket_stash:
         return
+    whole = wanted is None and entry.bucket not in state.buckets_gathered
     if entry.bucket in state.buckets_gathered:
         wanted = again
     state.buckets_gathered.add(entry.bucket)
@@ -79,35 +88,102 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     key = next((travels_as(e, spec) for e, spec in members if e is entry), None)
     if key is None:
         return
-    reads = [(e, spec) for e, spec in members
-             if (wanted is None or id(e) in wanted) and id(e) not in state.bucket_stash
-             and travels_as(e, spec) == key]
-    if len(reads) < 2:  # alone, the per-parameter gather is this one, without the copy out
-        return
-    fulls = gather_copies(reads)
+    pending = state.bucket_prefetched.pop(entry.bucket, None) if whole else None
+    if pending is not None and pending.key != key:  # the bucket is read another way now
+        pending.drop()
+        pending = None
+    if pending is None:
+        reads = [(e, spec) for e, spec in members
+                 if (wanted is None or id(e) in wanted) and id(e) not in state.bucket_stash
+                 and travels_as(e, spec) == key]
+        if len(reads) < 2:  # alone, the per-parameter gather is this one, without the copy out
+            return
+        pending = issue_gather(reads, key)
+    if whole:
+        state.bucket_order_now.append((entry.bucket, key))
+        _prefetch_next(state, entry.bucket)
+    reads, fulls = pending.reads, pending.copies()
     trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
     if len(trained) > 1:  # their gradients are reduced together too
         outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
                               [local_of(reads[i][0].param) for i in trained])
         for i, output in zip(trained, outputs, strict=True):
             fulls[i] = output
-    for (e, _), full in zip(reads, fulls, strict=True):
-        state.bucket_stash[id(e)] = (full, e.param._local_tensor, _versions(e))
+    for (e, _), full, (local, versions) in zip(reads, fulls, pending.shards, strict=True):
+        state.bucket_stash[id(e)] = (full, local, versions)
+
+
+def _prefetch_next(state: ShardState, bucket: int) -> None:
+    """Issue the gather of the bucket the last complete forward gathered after ``bucket``,
+    unless this forward has it already (module docstring)."""
+    after = state.bucket_next.get(bucket)
+    if after is None:
+        return
+    following, key = after
+    if following in state.buckets_gathered or following in state.bucket_prefetched:
+        return
+    reads = [(e, spec) for e, spec in state.bucket_members.get(following, ())
+             if id(e) not in state.bucket_stash and travels_as(e, spec) == key]
+    if len(reads) > 1:
+        state.bucket_prefetched[following] = issue_gather(reads, key)
+
+
+class _PendingGather:
+    """A bucket's all-gather, issued and not waited for yet: :meth:`copies` waits and cuts
+    the members' full copies out; :meth:`drop` waits and lets it go (a collective's output
+    is never freed while the collective may still write it)."""
+
+    __slots__ = ("reads", "key", "shards", "layouts", "sent", "gathered")
+
+    def __init__(self, reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None
+                 ) -> None:
+        self.reads, self.key = reads, key
+        # what was sent: each member's local shard and its version counters then
+        self.shards = [(e.param._local_tensor, _versions(e)) for e, _ in reads]
+        first = reads[0][1]
+        with torch.no_grad(), torch.inference_mode(False):
+            self.sent, self.layouts = _pieces(reads)
+            self.gathered: torch.Tensor | None = _c10d.all_gather_into_tensor(
+                self.sent, first.world_size, first.group_name)
+
+    def _wait(self) -> torch.Tensor:
+        gathered = self.gathered
+        assert gathered is not None, "a bucket's gather is waited for once"
+        with torch.no_grad(), torch.inference_mode(False):
+            gathered = _c10d.wait_tensor(gathered)
+        self.gathered = self.sent = None  # what was sent may go once the collective is done
+        return gathered
+
+    def copies(self) -> list[torch.Tensor]:
+        """The members' full copies (without autograd), in ``reads``'s order."""
+        world = self.reads[0][1].world_size
+        with torch.no_grad(), torch.inference_mode(False):
+            gathered = self._wait().view(world, -1)
+            fulls, offset = [], 0
+            for layout in self.layouts:
+                part = gathered[:, offset:offset + layout.piece_numel]
+                offset += layout.piece_numel
+                # contiguous: a piece of one element per rank would view as a strided column
+                fulls.append(full_from_gathered(eager, part.reshape(-1).contiguous(), layout))
+        return fulls
+
+    def drop(self) -> None:
+        """Wait for the collective and let its output go."""
+        if self.gathered is not None:
+            self._wait()
+
+
+def issue_gather(reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None = None
+                 ) -> _PendingGather:
+    """Issue the all-gather of the members in ``reads`` (records and their ``UnshardSpec``,
+    all travelling alike, as ``key`` says) in one collective."""
+    return _PendingGather(reads, key)
 
 
 def gather_copies(reads: list[tuple[ShardedParam, UnshardSpec]]) -> list[torch.Tensor]:
     """The full copies of the parameters in ``reads`` (records and their ``UnshardSpec``, all
     travelling alike), gathered in one collective, without autograd."""
-    first = reads[0][1]
-    with torch.no_grad(), torch.inference_mode(False):
-        gathered, layouts = _gather(reads, first.world_size, first.group_name)
-        fulls, offset = [], 0
-        for layout in layouts:
-            part = gathered[:, offset:offset + layout.piece_numel]
-            offset += layout.piece_numel
-            # contiguous: a piece of one element per rank would view as a strided column
-            fulls.append(full_from_gathered(eager, part.reshape(-1).contiguous(), layout))
-    return fulls
+    return issue_gather(reads).copies()
 
 
 def _reads_together(state: ShardState, entry: ShardedParam) -> bool:
@@ -143,10 +219,20 @@ def _versions(entry: ShardedParam) -> tuple[int, int]:
     return param._version, param._local_tensor._version
 
 
-def end_forward(state: ShardState) -> None:
-    """When the forward ends: drop the copies no read took; the next forward gathers anew."""
+def end_forward(state: ShardState, completed: bool = True) -> None:
+    """When the forward ends: drop the copies no read took and the gathers issued ahead
+    that no read waited for; the next forward gathers anew. A forward that ``completed``
+    (not one an error unwound) and gathered two buckets or more sets the order the next ones
+    prefetch in."""
     state.buckets_gathered.clear()
     state.bucket_stash.clear()
+    for pending in state.bucket_prefetched.values():
+        pending.drop()
+    state.bucket_prefetched.clear()
+    order, state.bucket_order_now = state.bucket_order_now, []
+    if completed and len(order) > 1:  # (a call of one block teaches nothing)
+        state.bucket_next = {bucket: after
+                             for (bucket, _), after in zip(order, order[1:], strict=False)}
 
 
 def travels_as(entry: ShardedParam, spec: UnshardSpec) -> tuple | None:
@@ -165,10 +251,10 @@ def travels_as(entry: ShardedParam, spec: UnshardSpec) -> tuple | None:
             spec.replica_group, spec.replica_size, spec.divide_factor)
 
 
-def _gather(reads: list[tuple[ShardedParam, UnshardSpec]], world: int, group_name: str
+def _pieces(reads: list[tuple[ShardedParam, UnshardSpec]]
             ) -> tuple[torch.Tensor, list[Dim0Layout]]:
-    """All-gather the members' padded pieces, concatenated, in one collective: the result as
-    ``[world, sum of pieces]`` (rank ``r``'s pieces in row ``r``), and each member's layout."""
+    """What this rank sends for the members of ``reads``: their padded pieces, concatenated
+    (the bucket's flat buffer itself where it is exactly that), and each member's layout."""
     layouts = [Dim0Layout(spec.full_shape, spec.world_size) for _, spec in reads]
     flat = _stored_flat(reads)
     if flat is None:
@@ -181,8 +267,7 @@ def _gather(reads: list[tuple[ShardedParam, UnshardSpec]], world: int, group_nam
                 local = local.to(spec.param_dtype)
             pieces.append(gather_piece(eager, local, layout, rows_held(local.shape)))
         flat = torch.cat(pieces)
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group_name))
-    return gathered.view(world, -1), layouts
+    return flat, layouts
 
 
 def _stored_flat(reads: list[tuple[ShardedParam, UnshardSpec]]) -> torch.Tensor | None:

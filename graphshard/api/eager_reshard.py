@@ -16,6 +16,9 @@ handles are still alive (one collective), and the view made over it. It is let g
 last handle of its parameter is (autograd frees a saved tensor after the node that saved it
 has run), and at the latest at the end of the backward. The bucket saved last keeps its
 copies: the backward starts with it (the compiled step keeps the bucket read last too).
+When a bucket is gathered again, the gather of the bucket saved before it (the next one the
+backward needs) is issued too, one bucket ahead as FSDP2 prefetches in its backward, and
+waited for at that bucket's first unpack.
 
 - Hooks a user had in place around the forward (``torch.autograd.graph.save_on_cpu``) still
   pack and unpack every other saved tensor: graphshard's hooks hand those on. Hooks pushed
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-from graphshard.api.bucket_gathers import gather_copies, travels_as
+from graphshard.api.bucket_gathers import gather_copies, issue_gather, travels_as
 from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
@@ -46,14 +49,29 @@ __all__ = ["begin", "end", "register_copy"]
 _FORWARDS = itertools.count()
 
 
+class _ForwardSaves:
+    """What one forward saved, shared by its handles: the buckets in the order of their
+    first handle, and the bucket saved last (whose handles keep their copies)."""
+
+    __slots__ = ("buckets", "kept")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, None] = {}
+        self.kept: int | None = None
+
+
 class _Saved:
     """What is saved for the backward in place of a gathered copy (or a view of one)."""
 
-    __slots__ = ("state", "key", "entry", "spec", "geometry", "shard", "copy")
+    __slots__ = ("state", "key", "entry", "spec", "geometry", "shard", "copy", "saves")
 
     def __init__(self, state: ShardState, key: tuple[int, int], entry: ShardedParam,
-                 spec: UnshardSpec, t: torch.Tensor, copy: torch.Tensor) -> None:
+                 spec: UnshardSpec, t: torch.Tensor, copy: torch.Tensor,
+                 saves: _ForwardSaves) -> None:
         self.state, self.key, self.entry, self.spec = state, key, entry, spec
+        self.saves = saves
+        saves.buckets.setdefault(entry.bucket, None)
+        saves.kept = entry.bucket
         # the view's shape, strides and offset from the copy's first element (a copy may
         # start inside its storage, and one gathered again elsewhere in its own)
         self.geometry = (tuple(t.shape), t.stride(), t.storage_offset() - copy.storage_offset())
@@ -86,11 +104,11 @@ def begin(state: ShardState) -> bool:
             or torch._C._current_graph_task_id() != -1):
         return False
     outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    forward = next(_FORWARDS)
+    forward, saves = next(_FORWARDS), _ForwardSaves()
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(t: torch.Tensor) -> Any:
-        saved = _as_saved(state, forward, t)
+        saved = _as_saved(state, forward, saves, t)
         if saved is not None:
             return saved
         return outer_pack(t) if outer_pack is not None else t
@@ -123,7 +141,8 @@ def register_copy(state: ShardState, full: Any, entry: ShardedParam, spec: Unsha
         (weakref.ref(full), entry, spec))
 
 
-def _as_saved(state: ShardState, forward: int, t: torch.Tensor) -> _Saved | None:
+def _as_saved(state: ShardState, forward: int, saves: _ForwardSaves, t: torch.Tensor
+              ) -> _Saved | None:
     """The handle for ``t`` if it is a gathered copy this forward read, or a view of one."""
     copies = state.reshard_copies
     if not copies or type(t) is not torch.Tensor or t.numel() == 0:
@@ -139,7 +158,7 @@ def _as_saved(state: ShardState, forward: int, t: torch.Tensor) -> _Saved | None
             continue
         start, end = _extent(copy)
         if start <= first and last <= end:  # t lies within this copy
-            saved = _Saved(state, (forward, id(entry)), entry, spec, t, copy)
+            saved = _Saved(state, (forward, id(entry)), entry, spec, t, copy, saves)
             _keep_while_last(state, saved, copy)
             return saved
     return None
@@ -204,22 +223,27 @@ def _unpack(saved: _Saved) -> torch.Tensor:
 
 def _gather_again(saved: _Saved) -> torch.Tensor:
     """Gather ``saved``'s parameter again, with the other members of its bucket whose
-    handles from the same forward are alive and not gathered again yet, in one collective;
-    keep the copies until their last handle goes or the backward ends. (Outside a backward,
-    where a saved tensor is read through its node, ``grad_fn._saved_self``, only
-    ``saved``'s, kept by nobody.)"""
-    state, forward = saved.state, saved.key[0]
-    key = travels_as(saved.entry, saved.spec)
-    reads = [(e, spec) for e, spec in state.bucket_members.get(saved.entry.bucket, ())
-             if (e is saved.entry
-                 or ((forward, id(e)) in state.resharded_live
-                     and (forward, id(e)) not in state.regathered
-                     and travels_as(e, spec) == key))]
-    if torch._C._current_graph_task_id() == -1 or all(e is not saved.entry for e, _ in reads):
+    handles from the same forward are alive and not gathered again yet, in one collective
+    (issued ahead by the previous bucket's, :func:`_prefetch_before`, where it was); keep
+    the copies until their last handle goes or the backward ends. (Outside a backward, where
+    a saved tensor is read through its node, ``grad_fn._saved_self``, only ``saved``'s,
+    kept by nobody.)"""
+    state, forward, bucket = saved.state, saved.key[0], saved.entry.bucket
+    if torch._C._current_graph_task_id() == -1:
         return gather_copies([(saved.entry, saved.spec)])[0]
-    fulls = gather_copies(reads)
-    for (e, _), full in zip(reads, fulls, strict=True):
-        state.regathered[(forward, id(e))] = full
+    key = travels_as(saved.entry, saved.spec)
+    pending = state.regather_pending.pop((forward, bucket, key), None)
+    if pending is None or all(e is not saved.entry for e, _ in pending.reads):
+        if pending is not None:
+            pending.drop()
+        reads = _waiting(state, forward, bucket, key, saved.entry)
+        if all(e is not saved.entry for e, _ in reads):
+            return gather_copies([(saved.entry, saved.spec)])[0]
+        pending = issue_gather(reads, key)
+    _prefetch_before(state, saved.saves, forward, bucket)
+    for (e, _), full in zip(pending.reads, pending.copies(), strict=True):
+        if e is saved.entry or (forward, id(e)) in state.resharded_live:
+            state.regathered[(forward, id(e))] = full
     if not state.regathered_clear_queued:  # whatever is left goes with the backward
         state.regathered_clear_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(
@@ -227,9 +251,44 @@ def _gather_again(saved: _Saved) -> torch.Tensor:
     return state.regathered[saved.key]
 
 
+def _waiting(state: ShardState, forward: int, bucket: int, key: tuple | None,
+             entry: ShardedParam | None = None) -> list[tuple[ShardedParam, UnshardSpec]]:
+    """The members of ``bucket`` (travelling as ``key``) that ``forward``'s handles still
+    wait for: alive and not gathered again yet; ``entry`` whatever its handles."""
+    return [(e, spec) for e, spec in state.bucket_members.get(bucket, ())
+            if e is entry or ((forward, id(e)) in state.resharded_live
+                              and (forward, id(e)) not in state.regathered
+                              and travels_as(e, spec) == key)]
+
+
+def _prefetch_before(state: ShardState, saves: _ForwardSaves, forward: int, bucket: int
+                     ) -> None:
+    """Issue the gather of the bucket ``forward`` saved before ``bucket`` (the nearest with
+    handles waiting), which the backward needs next, unless it is issued already."""
+    order = list(saves.buckets)
+    if bucket not in saves.buckets:
+        return
+    for before in reversed(order[:order.index(bucket)]):
+        if before == saves.kept:  # its handles keep their copies
+            continue
+        members = state.bucket_members.get(before, ())
+        key = next((travels_as(e, spec) for e, spec in members
+                    if (forward, id(e)) in state.resharded_live
+                    and (forward, id(e)) not in state.regathered), None)
+        if key is None:
+            continue  # nothing of it waits
+        if (forward, before, key) not in state.regather_pending:
+            state.regather_pending[(forward, before, key)] = issue_gather(
+                _waiting(state, forward, before, key), key)
+        return
+
+
 def _clear(state: ShardState) -> None:
     state.regathered.clear()
     state.regathered_clear_queued = False
+    for pending in state.regather_pending.values():
+        pending.drop()
+    state.regather_pending.clear()
 
 
 def _regathered_with_history(saved: _Saved) -> torch.Tensor:

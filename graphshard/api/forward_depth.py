@@ -100,7 +100,7 @@ def _leave(state: ShardState, unwinding: bool) -> None:
     the outermost forward, check that every rank read what this one did (or, when an error
     unwinds it, only forget the reads)."""
     if state.forward_depth == 0 and state.buckets_gathered:
-        end_forward(state)  # bucket gathers' copies no read took
+        end_forward(state, completed=not unwinding)  # copies and gathers no read took
     if not torch.compiler.is_compiling() and state.eager_gathered_at:
         try:
             release(state, unwinding)  # the copies the call that returned shared
