@@ -147,8 +147,7 @@ class _PendingGather:
                 self.sent, first.world_size, first.group_name)
 
     def _wait(self) -> torch.Tensor:
-        gathered = self.gathered
-        assert gathered is not None, "a bucket's gather is waited for once"
+        gathered = self.gathered  # set until this wait: copies() and drop() each run once
         with torch.no_grad(), torch.inference_mode(False):
             gathered = _c10d.wait_tensor(gathered)
         self.gathered = self.sent = None  # what was sent may go once the collective is done
