@@ -175,7 +175,16 @@ def partition_region(joint: fx.GraphModule, joint_inputs: Any, *, n_params: int,
                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition a block region's joint graph, recomputing in its backward everything that
     depends only on its first ``n_params`` inputs (the gathered parameters), so that the
-    region saves those inputs themselves rather than tensors derived from them."""
+    region saves those inputs themselves rather than tensors derived from them.
+
+    Random ops that the backward recomputes (a checkpointed block's attention on CUDA:
+    ``_scaled_dot_product_cudnn_attention`` is a seeded op) replay the forward's generator
+    state. torch's graph-safe way of doing that on CUDA adds generator placeholders to the
+    region's forward and backward that the step graph's ``invoke_subgraph`` calls never
+    pass (only a top-level graph's runtime feeds them), so the region takes torch's other
+    way: the forward returns the state it ran with and the backward reads it, as on the
+    CPU."""
+    from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
@@ -188,7 +197,8 @@ def partition_region(joint: fx.GraphModule, joint_inputs: Any, *, n_params: int,
             params_only.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = REGION_AC_GRAPH_ID
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with functorch_config.patch(graphsafe_rng_functionalization=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def _view_chain(out: Any) -> tuple[fx.Node, list[fx.Node]] | None:

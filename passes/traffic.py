@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from graphshard.passes.device_copy import TO_DEVICE
+from graphshard.passes.device_copy import TO_DEVICE, WAIT_COPY
 from graphshard.passes.fx_util import DEVICE_COPY, LOWERED
 from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.markers import is_collective_start
@@ -149,8 +149,9 @@ def _tag(node: fx.Node) -> dict | None:
 
 
 def _is_wire(node: fx.Node) -> bool:
-    """A collective, one of a coalesced collective's outputs, or a wait."""
-    return is_collective_start(node) or node.target is c10d.wait_tensor.default or (
+    """A collective, one of a coalesced collective's outputs, or a wait (for a collective,
+    or for a copy issued on a copy stream: ``shard_copy_stream``'s, which returns nothing)."""
+    return is_collective_start(node) or node.target in (c10d.wait_tensor.default, WAIT_COPY) or (
         node.target is operator.getitem and is_collective_start(node.args[0]))
 
 
@@ -258,7 +259,10 @@ class _Account:
             members.append(node)
             if node.target in _NO_READ:
                 continue
-            for arg in node.all_input_nodes:
+            # a device copy reads its source alone: the copies it orders itself after and
+            # the sources it keeps alive (``grad_copy_stream``'s operands) it does not read
+            inputs = [node.args[0]] if _is_device_copy(node) else node.all_input_nodes
+            for arg in inputs:
                 if not isinstance(arg.meta.get("val"), torch.Tensor):
                     continue  # a size, not data
                 base, least = self.base(arg)

@@ -155,6 +155,12 @@ def trace(
         })
         result["graphs"] = [{stage: summarize(gm) for stage, gm in stages.items()}
                             for stages in backend.graphs]
+        from graphshard.passes.traffic import step_traffic
+
+        try:  # what the bench's "copies MB" column reads (its error, if it raised)
+            result["traffic"] = step_traffic(backend.graphs).moved
+        except Exception as exc:
+            result["traffic"] = f"{type(exc).__name__}: {exc}"
         joint = backend.graphs[0].get("joint")
         choice = None if joint is None else reshard_choice(joint)
         if choice is not None:  # reshard_after_forward="auto": what it chose, and why

@@ -728,3 +728,44 @@ def test_blocks_kept_in_a_module_dict_run_as_regions(one_rank):
     stages = _graphs(keyed())
     assert len(list(region_calls(stages["fw"]))) == 3 and len(_bodies(stages["fw"])) == 1
     _assert_trains_as_the_plain_llama(keyed)
+
+
+def test_a_checkpointed_blocks_region_replays_its_random_ops_without_graph_inputs(
+        fake2, monkeypatch):
+    """Each checkpointed block's attention is a seeded op its backward recomputes. On CUDA,
+    torch's graph-safe replay of it added generator placeholders to the region's body that
+    the step graph's region calls never pass (GPU tier, H200, torch 2.11: `zip() argument 2
+    is shorter than argument 1` in the joint passes). A region is partitioned with that
+    replay off, so its forward returns the state it ran with instead, as on the CPU."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch import partitioners
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def checkpointed(model: Llama) -> nn.Module:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+        return model
+
+    replayed: list[bool] = []  # per region partition: graph-safe replay on?
+    partition = partitioners.min_cut_rematerialization_partition
+
+    def spy(joint, joint_inputs, **kwargs):
+        recomputed_seeded = [
+            n for n in joint.graph.nodes if n.op == "call_function"
+            and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+            and n.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE,
+                                            CheckpointPolicy.PREFER_RECOMPUTE)]
+        if recomputed_seeded:
+            replayed.append(functorch_config.graphsafe_rng_functionalization)
+        return partition(joint, joint_inputs, **kwargs)
+
+    # partition_region imports the partitioner when it runs; the step graph's is bound
+    monkeypatch.setattr(partitioners, "min_cut_rematerialization_partition", spy)
+    stages = _graphs(_llama(prepare=checkpointed))
+    assert region_calls(stages["joint"]), "the checkpointed blocks should run as regions"
+    assert replayed == [False], (
+        f"region partitions with recomputed seeded ops, graph-safe replay on or off: "
+        f"{replayed}")

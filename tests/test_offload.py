@@ -451,6 +451,19 @@ def test_shards_go_to_the_device_on_a_copy_stream_one_bucket_ahead(traced, stage
                 assert order[start["name"]] > first_wait[in_use[k - 2]], start["name"]
 
 
+@pytest.mark.parametrize("config,baseline", [
+    ("copy_stream", "offload"), ("shard_stream", "offload"), ("mixed_streams", "mixed"),
+], ids=["gradients", "shards", "hsdp_bf16_no_sync_both_streams"])
+def test_the_copy_streams_move_the_bytes_the_default_moves(traced, config, baseline):
+    """The step's data movement (``graphshard.passes.traffic``, the bench's "copies MB"
+    column) with the copies on copy streams is the default's: a ``wait_copy`` moves nothing
+    (it returns no value: the bench's accounting raised on it on the H200), and the copies
+    and sources a gradient copy only orders itself after or keeps alive are not read."""
+    default, streams = traced[baseline]["traffic"], traced[config]["traffic"]
+    assert isinstance(default, dict) and default["offload"] > 0, default
+    assert streams == default
+
+
 def test_a_shard_copy_made_in_the_graph_is_issued_after_its_source():
     """``shard_copy_stream`` never issues a copy before its host input exists, and an
     unrelated device copy (not a shard's) is left alone."""
