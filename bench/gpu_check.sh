@@ -9,6 +9,10 @@
 #   OUT=/some/dir bash bench/gpu_check.sh            # tier+warm, bench1, offload, bench8, eager8
 #   STAGES="medium" DEADLINE_S=200 bash bench/gpu_check.sh   # a second call: llama-medium
 #   TIER_S=200 BENCH1_S=100 bash bench/gpu_check.sh   # other limits per stage (seconds)
+#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh       # print each command, run nothing
+#   OUT=$OUT RESULTS=/tmp/r bash bench/gpu_check.sh   # results in /tmp/r, packed after each
+#        stage into $OUT/results.tar.gz beside summary.txt (for a tool that brings back a few
+#        files only: the device tool returns 8)
 #
 # Stages (in order):
 #   tier     python -m pytest tests/gpu (the CUDA tier: offload, training, state, fake world).
@@ -23,12 +27,11 @@
 #            device time (busy, idle, largest kernels: bench/device_time.py). Every system
 #            keeps ~17 GB on the device (fp32 weights, gradients, AdamW state), so FSDP2 +
 #            compile (0.48-0.63x graphshard's speed on the H100) is left out
-#   offload  world 1, llama-1b in bf16: CPU offload. graphshard's compiled step, with the
-#            copies on copy streams (grad_copy_stream=True and shard_copy_stream=True: the
-#            gradients' overlap the shards' the other way, the shards' are issued a bucket
-#            ahead of their use), and that with reshard_after_forward="auto" too (the shards
-#            cross the bus once a step, not twice); graphshard's eager step; against FSDP2's
-#            (eager) and graphshard without offload (issue 23's targets). Each offloading
+#   offload  world 1, llama-1b in bf16: CPU offload. graphshard's compiled step (its copies
+#            on copy streams: the gradients' overlap the shards' the other way, the shards'
+#            are issued a bucket ahead of their use), and with both copy streams off (every
+#            copy on the compute stream); graphshard's eager step; against FSDP2's (eager)
+#            and graphshard without offload (issue 23's targets). Each offloading
 #            system keeps ~18 GB of fp32 state in host memory (4 of them here). The step
 #            includes AdamW on the host; a compiled row's forward + backward is its step less
 #            the host-tax "optimizer" column
@@ -50,14 +53,21 @@ OUT=${OUT:-gpu_out}
 STAGES=${STAGES:-"tier bench1 offload bench8 eager8"}
 WARM=${WARM:-"bench1 bench8"}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-560}))
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-$OUT}
+DRY=${GPU_CHECK_DRY_RUN:-}
 export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/graphshard_gpu_check_cache"  # not brought back
-summary="$OUT/summary.txt"
-: > "$summary"
+summary="$RESULTS/summary.txt"
+[ -n "$DRY" ] || { mkdir -p "$OUT" "$RESULTS" && : > "$summary"; }
 
-python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
-    || python -m pip install -q --no-deps -e . >> "$OUT/install.log" 2>&1
-python - > "$OUT/device.txt" 2>&1 <<'PY'
+pack() {  # with RESULTS apart from OUT: the summary and one archive of everything in OUT
+    [ -z "$DRY" ] && [ "$RESULTS" != "$OUT" ] || return 0
+    cp "$summary" "$OUT/summary.txt"
+    tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
+}
+
+[ -n "$DRY" ] || { python -m pip install -q --no-deps --no-build-isolation -e . > "$RESULTS/install.log" 2>&1 \
+    || python -m pip install -q --no-deps -e . >> "$RESULTS/install.log" 2>&1
+python - > "$RESULTS/device.txt" 2>&1 <<'PY'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
@@ -68,9 +78,10 @@ except ImportError as exc:
     print("torchtitan not installed:", exc)
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
-    >> "$OUT/device.txt" 2>&1
-nproc >> "$OUT/device.txt"
-cat "$OUT/device.txt" >> "$summary"
+    >> "$RESULTS/device.txt" 2>&1
+nproc >> "$RESULTS/device.txt"
+cat "$RESULTS/device.txt" >> "$summary"
+}
 
 named() { case " $1 " in *" $2 "*) return 0 ;; *) return 1 ;; esac; }
 
@@ -80,8 +91,8 @@ BENCH1=("${L1B[@]}" --world-size 1 --optimizer fused)
 BENCH1_SYSTEMS=(graphshard-compiled 'graphshard-compiled[reshard_after_forward=auto]'
     single-compiled)
 OFFLOAD=("${L1B[@]}" --world-size 1 --optimizer fused)
-OFFLOAD_SYSTEMS=('graphshard-offload-compiled[grad_copy_stream=True,shard_copy_stream=True]'
-    'graphshard-offload-compiled[reshard_after_forward=auto,grad_copy_stream=True,shard_copy_stream=True]'
+OFFLOAD_SYSTEMS=(graphshard-offload-compiled
+    'graphshard-offload-compiled[grad_copy_stream=False,shard_copy_stream=False]'
     graphshard-offload-eager fsdp2-offload-eager graphshard-compiled)
 BENCH8=("${L1B[@]}" --fake-world 8)
 BENCH8_SYSTEMS=(graphshard-compiled simplefsdp-block-bucketing simplefsdp-auto-bucketing)
@@ -94,6 +105,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit cut to the dead
     local name=$1 limit=$2
     shift 2
     named "$STAGES" "$name" || return 0
+    if [ -n "$DRY" ]; then printf 'stage %s' "$name"; printf ' %q' "$@"; echo; return 0; fi
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -lt 30 ]; then
         echo "$name: skipped, ${left} s left before the deadline" >> "$summary"
@@ -101,11 +113,12 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit cut to the dead
     fi
     [ "$left" -lt "$limit" ] && limit=$left
     local start=$SECONDS
-    timeout --signal=INT --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --signal=INT --kill-after=20 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     local rc=$?
     local how="exit $rc"
     { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && how="ran out of its ${limit} s"
     echo "$name: $how after $((SECONDS - start)) s" >> "$summary"
+    pack
 }
 
 warm_pids=()
@@ -118,15 +131,23 @@ warm() {  # warm STAGE ARGS-ARRAY-NAME SYSTEMS...: one background process per co
     for system in "$@"; do
         case "$system" in *-eager*|*-eager\[*) continue ;; esac
         i=$((i + 1))
+        if [ -n "$DRY" ]; then
+            printf 'warm %s' "$name-$i"
+            printf ' %q' python -m bench.step "${args[@]}" --steps 2 --warmup 1 \
+                --host-tax-steps 0 --systems "$system" --json "warm-$name-$i.json"
+            echo
+            continue
+        fi
         TORCHINDUCTOR_COMPILE_THREADS=2 nice -n 10 timeout --kill-after=10 "${WARM_S:-200}" \
             python -m bench.step "${args[@]}" --steps 2 --warmup 1 --host-tax-steps 0 \
             --systems "$system" --json "${TMPDIR:-/tmp}/warm-$name-$i.json" \
-            > "$OUT/warm-$name-$i.log" 2>&1 &
+            > "$RESULTS/warm-$name-$i.log" 2>&1 &
         warm_pids+=($!)
     done
 }
 
 warm bench1 BENCH1 "${BENCH1_SYSTEMS[@]}"
+warm offload OFFLOAD "${OFFLOAD_SYSTEMS[@]}"  # not by default: ~18 GB of host memory each
 warm bench8 BENCH8 "${BENCH8_SYSTEMS[@]}"
 warm medium MEDIUM "${MEDIUM_SYSTEMS[@]}"
 
@@ -134,8 +155,8 @@ warm medium MEDIUM "${MEDIUM_SYSTEMS[@]}"
 # where installed, spreads them over processes that compile side by side.
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
-stage tier "${TIER_S:-200}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
-    --junitxml="$OUT/tier.xml"
+stage tier "${TIER_S:-280}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
+    --junitxml="$RESULTS/tier.xml"
 if [ "${#warm_pids[@]}" -gt 0 ]; then
     start=$SECONDS
     wait "${warm_pids[@]}"
@@ -144,17 +165,18 @@ if [ "${#warm_pids[@]}" -gt 0 ]; then
 fi
 stage bench1 "${BENCH1_S:-150}" python -m bench.step "${BENCH1[@]}" --steps 12 --warmup 3 \
     --host-tax-steps 2 --device-profile-steps 2 --systems "${BENCH1_SYSTEMS[@]}" \
-    --json "$OUT/bench1.json" --markdown "$OUT/bench1.md"
+    --json "$RESULTS/bench1.json" --markdown "$RESULTS/bench1.md"
 stage offload "${OFFLOAD_S:-230}" python -m bench.step "${OFFLOAD[@]}" --steps 6 --warmup 2 \
     --host-tax-steps 2 --systems "${OFFLOAD_SYSTEMS[@]}" \
-    --json "$OUT/offload.json" --markdown "$OUT/offload.md"
+    --json "$RESULTS/offload.json" --markdown "$RESULTS/offload.md"
 stage bench8 "${BENCH8_S:-200}" python -m bench.step "${BENCH8[@]}" --steps 12 --warmup 3 \
     --host-tax-steps 0 --device-profile-steps 2 --systems "${BENCH8_SYSTEMS[@]}" \
-    --json "$OUT/bench8.json" --markdown "$OUT/bench8.md"
+    --json "$RESULTS/bench8.json" --markdown "$RESULTS/bench8.md"
 stage eager8 "${EAGER8_S:-90}" python -m bench.step "${BENCH8[@]}" --steps 10 --warmup 2 \
     --host-tax-steps 0 --device-profile-steps 2 --systems "${EAGER8_SYSTEMS[@]}" \
-    --json "$OUT/eager8.json" --markdown "$OUT/eager8.md"
+    --json "$RESULTS/eager8.json" --markdown "$RESULTS/eager8.md"
 stage medium "${MEDIUM_S:-150}" python -m bench.step "${MEDIUM[@]}" --steps 12 --warmup 3 \
     --host-tax-steps 2 --device-profile-steps 2 --systems "${MEDIUM_SYSTEMS[@]}" \
-    --json "$OUT/medium.json" --markdown "$OUT/medium.md"
-cat "$summary"
+    --json "$RESULTS/medium.json" --markdown "$RESULTS/medium.md"
+pack
+[ -n "$DRY" ] || cat "$summary"

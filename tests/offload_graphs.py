@@ -272,18 +272,24 @@ def llama_recipe(recipe: str) -> dict[str, Any]:
     return result
 
 
+# Copies on the compute stream: both copy streams off, the layout most tests read
+# (the copy streams are on by default; their configurations name them).
+_SERIAL = {"grad_copy_stream": False, "shard_copy_stream": False}
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    "plain": {"offload": False},
-    "offload": {"offload": True},
-    "hsdp": {"offload": True, "mesh_shape": (2, 2)},
-    "bf16": {"offload": True, "param_dtype": "bfloat16"},
-    "no_sync": {"offload": True, "no_sync_first": True},
-    "kept": {"offload": True, "reshard_after_forward": False},
-    "copy_stream": {"offload": True, "grad_copy_stream": True},
-    "shard_stream": {"offload": True, "shard_copy_stream": True},
+    "plain": {"offload": False, **_SERIAL},
+    "offload": {"offload": True, **_SERIAL},
+    "hsdp": {"offload": True, "mesh_shape": (2, 2), **_SERIAL},
+    "bf16": {"offload": True, "param_dtype": "bfloat16", **_SERIAL},
+    "no_sync": {"offload": True, "no_sync_first": True, **_SERIAL},
+    "kept": {"offload": True, "reshard_after_forward": False, **_SERIAL},
+    "copy_stream": {"offload": True, "grad_copy_stream": True, "shard_copy_stream": False},
+    "shard_stream": {"offload": True, "shard_copy_stream": True, "grad_copy_stream": False},
+    "default": {"offload": True},  # both copy streams, by default
+    "both_streams": {"offload": True, "shard_copy_stream": True, "grad_copy_stream": True},
     # HSDP, bf16 and a no_sync step first, without and with both copy streams
     "mixed": {"offload": True, "mesh_shape": (2, 2), "param_dtype": "bfloat16",
-              "no_sync_first": True},
+              "no_sync_first": True, **_SERIAL},
     "mixed_streams": {"offload": True, "mesh_shape": (2, 2), "param_dtype": "bfloat16",
                       "no_sync_first": True, "shard_copy_stream": True,
                       "grad_copy_stream": True},

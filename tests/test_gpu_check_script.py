@@ -5,6 +5,7 @@ time is lost to a typo."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -18,16 +19,25 @@ from bench.step import parse_args
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
 
 
+def _dry_run() -> list[tuple[str, str, list[str]]]:
+    """(``stage`` or ``warm``, name, the arguments its ``python -m bench.step`` gets) of every
+    bench command, every stage and warm-up named, as the script's dry run prints them."""
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out",
+           "STAGES": "tier bench1 offload bench8 eager8 medium",
+           "WARM": "bench1 offload bench8 eager8 medium"}
+    printed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
+                             check=True).stdout
+    commands = []
+    for line in printed.splitlines():
+        kind, name, *words = shlex.split(line)
+        if words[:3] == ["python", "-m", "bench.step"]:
+            commands.append((kind, name, words[3:]))
+    return commands
+
+
 def _bench_stages() -> dict[str, list[str]]:
-    """Stage name -> the arguments its ``python -m bench.step`` gets (shell words, with
-    ``$OUT`` left as text)."""
-    text = SCRIPT.read_text().replace("\\\n", " ")
-    stages = {}
-    for line in text.splitlines():
-        found = re.match(r'\s*stage (\w+) "\$\{\w+:-\d+\}" python -m bench\.step (.*)$', line)
-        if found:
-            stages[found.group(1)] = shlex.split(found.group(2))
-    return stages
+    """Stage name -> the arguments its ``python -m bench.step`` gets."""
+    return {name: argv for kind, name, argv in _dry_run() if kind == "stage"}
 
 
 def test_the_script_parses_as_bash():
@@ -48,10 +58,20 @@ def test_every_bench_command_is_one_the_bench_accepts(monkeypatch):
     system or variant option stops here, not on the GPU."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     stages = _bench_stages()
-    assert set(stages) == {"bench1", "medium", "offload", "bench8"}
+    assert set(stages) == {"bench1", "medium", "offload", "bench8", "eager8"}
     for name, argv in stages.items():
         args = parse_args(argv)
         assert args.device == "cuda", name
         assert args.json.endswith(f"{name}.json"), name
+    warm = [(name, argv) for kind, name, argv in _dry_run() if kind == "warm"]
+    for name, argv in warm:  # one compiled system each, the stage's model and precision
+        args = parse_args(argv)
+        stage = stages[name.rsplit("-", 1)[0]]
+        assert len(args.systems) == 1 and args.systems[0] in parse_args(stage).systems, name
+        assert not args.systems[0].startswith(("graphshard-eager", "fsdp2-eager")), name
+        assert (args.model, args.mixed_precision) == (
+            parse_args(stage).model, parse_args(stage).mixed_precision), name
+    assert {name.rsplit("-", 1)[0] for name, _ in warm} == {
+        "bench1", "offload", "bench8", "medium"}  # eager8 compiles nothing
     with pytest.raises(SystemExit):  # the check bites: a misspelt variant option
         parse_args([*stages["bench1"], "--systems", "graphshard-compiled[reshard=auto]"])
