@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
-# name, backend options, reshard_after_forward
+# name, backend options, reshard_after_forward. The copy streams are on by default; the
+# "compute stream" rows turn both off (every copy on the compute stream).
+_SERIAL = {"grad_copy_stream": False, "shard_copy_stream": False}
 SETTINGS: list[tuple[str, dict[str, Any], bool | str]] = [
-    ("default", {}, True),
-    ("copy streams", {"grad_copy_stream": True, "shard_copy_stream": True}, True),
-    ('"auto"', {}, "auto"),
-    ('"auto" + copy streams', {"grad_copy_stream": True, "shard_copy_stream": True}, "auto"),
+    ("compute stream", _SERIAL, True),
+    ("copy streams (default)", {}, True),
+    ('"auto", compute stream', _SERIAL, "auto"),
+    ('"auto" + copy streams', {}, "auto"),
 ]
 
 

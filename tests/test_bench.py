@@ -866,13 +866,14 @@ def test_offload_prediction_prices_the_copies_and_their_streams():
     bytes over the host link."""
     out, result = _main_in_its_own_process(
         "offload_predict", ["--model", "tiny", "--batch-size", "2", "--seq-len", "16"])
-    assert "| copy streams |" in out
+    assert "| copy streams (default) |" in out
     rows = {r["setting"]: r for r in result}
     total = {name: r["fw"] + r["bw"] for name, r in rows.items()}
-    assert total["copy streams"] < total["default"]
-    assert rows["copy streams"]["exposed_copy"] > 0 == rows["default"]["exposed_copy"]
-    assert rows['"auto"']["copy_time"] < rows["default"]["copy_time"]
-    assert rows["default"]["compute_time"] < rows["default"]["copy_time"]
+    serial, streams = rows["compute stream"], rows["copy streams (default)"]
+    assert total["copy streams (default)"] < total["compute stream"]
+    assert streams["exposed_copy"] > 0 == serial["exposed_copy"]
+    assert rows['"auto", compute stream']["copy_time"] < serial["copy_time"]
+    assert serial["compute_time"] < serial["copy_time"]
 
 
 def test_gather_floor_times_real_gathers_alone_and_beside_compute():
