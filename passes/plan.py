@@ -138,7 +138,7 @@ class Plan:
             bucket's shards into its gather buffer at every gather, as before this storage
             existed (for comparison).
         grad_copy_stream: under CPU offload, copy the backward's gradients to the host on a
-            copy stream of their own, waiting once per graph, where the default copies each
+            copy stream of their own, waiting once per graph, where False copies each
             bucket's on the compute stream and waits for it
             (:mod:`graphshard.passes.grad_copy_stream`). On by default (with
             ``shard_copy_stream``, the compiled offload step took 0.84x FSDP2's on an H200,
@@ -146,7 +146,7 @@ class Plan:
             gradient copy on the compute stream, waited for.
         shard_copy_stream: under CPU offload, copy each bucket's shards to the device on a
             copy stream of their own, issued one bucket ahead and waited for where the copy
-            was, where the default copies them on the compute stream just before their
+            was, where False copies them on the compute stream just before their
             gather (:mod:`graphshard.passes.shard_copy_stream`). On by default (see
             ``grad_copy_stream``); nothing changes on the CPU.
 

@@ -7,7 +7,7 @@ a bucket's shards cross the bus, and at world 1, where nothing is gathered, no c
 ahead at all. On an H100 (llama-1b, bf16) the step's copies took about as long as the whole
 step's compute (docs/cpu-offload.md).
 
-With ``Plan.shard_copy_stream`` each such copy becomes two nodes
+With ``Plan.shard_copy_stream`` (on by default) each such copy becomes two nodes
 (:mod:`graphshard.passes.device_copy`):
 
 - ``to_device``, which issues the copy on the copy stream. Every bucket's copies move to
@@ -19,8 +19,7 @@ With ``Plan.shard_copy_stream`` each such copy becomes two nodes
 
 So at most two buckets' shards are on the device before their gather (one more bucket of
 shards, 1/N of a gathered bucket). A copy whose host input is made inside the graph is issued
-no earlier than that input. Off by default until measured on a GPU; on the CPU the copies are
-synchronous either way.
+no earlier than that input. On the CPU the copies are synchronous either way.
 """
 
 from __future__ import annotations

@@ -384,3 +384,20 @@ def test_a_shard_written_after_its_gather_was_issued_ahead_is_gathered_again(fak
     model.blocks[0].register_forward_hook(scale)
     forward, _ = _step_logged(model, log)
     assert forward == "f0 G G w f1 G w U f2 G w f3 w"  # block 1's weight again, alone
+
+
+def test_a_gather_issued_ahead_is_read_once(fake2):
+    """A pending bucket gather hands its copies out once; a second read is refused with
+    graphshard's error rather than waiting on a collective that is gone."""
+    from graphshard.api.bucket_gathers import issue_gather
+
+    model = graphshard.shard(Blocks())
+    model(torch.randn(3, 8)).sum().backward()
+    state = shard_state(model)
+    bucket, reads = next((b, list(m)) for b, m in state.bucket_members.items() if m)
+    pending = issue_gather(reads)
+    fulls = pending.copies()
+    assert [f.shape for f in fulls] == [e.param.shape for e, _ in reads], bucket
+    with pytest.raises(GraphshardRuntimeError, match="read after it was waited for"):
+        pending.copies()
+    pending.drop()  # dropping one already waited for is fine

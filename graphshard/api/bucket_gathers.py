@@ -47,6 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from graphshard.api.eager_kernels import local_of, read_bucket
+from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.layout import (
     Dim0Layout,
     eager,
@@ -147,7 +148,11 @@ class _PendingGather:
                 self.sent, first.world_size, first.group_name)
 
     def _wait(self) -> torch.Tensor:
-        gathered = self.gathered  # set until this wait: copies() and drop() each run once
+        gathered = self.gathered
+        if gathered is None:  # its caller took it from the state once: a second read is a bug
+            raise GraphshardRuntimeError(
+                "graphshard internal error: a bucket's gather issued ahead was read after it "
+                "was waited for; please report this with the model's code")
         with torch.no_grad(), torch.inference_mode(False):
             gathered = _c10d.wait_tensor(gathered)
         self.gathered = self.sent = None  # what was sent may go once the collective is done

@@ -16,7 +16,7 @@ Stages and their passes (each dumped before and after when a dump directory is s
   ``assign_buckets`` (the ``size``/``auto`` strategies),
   ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
 - ``fw``: ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
-  from the previous optimizer step), ``shard_copy_stream`` (with that option, offloaded
+  from the previous optimizer step), ``shard_copy_stream`` (on by default: offloaded
   shards go to the device on a copy stream, a bucket ahead), ``sizes_outside_regions`` (an
   op outside a block region that reads a size the region returned reads the graph's own
   size input instead: Inductor cannot take the region's as a size);
@@ -24,7 +24,7 @@ Stages and their passes (each dumped before and after when a dump directory is s
   ``shard_copy_stream``, ``sizes_outside_regions``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
   last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
-  ``grad_copy_stream`` (with that option, offloaded gradients go to the host on a copy
+  ``grad_copy_stream`` (on by default: offloaded gradients go to the host on a copy
   stream, waited for once), ``shard_copy_stream``, ``sizes_outside_regions``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
