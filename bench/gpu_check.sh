@@ -129,19 +129,13 @@ warm() {  # warm STAGE ARGS-ARRAY-NAME SYSTEMS...: one background process per co
     local -n args=$args_name
     local i=0
     for system in "$@"; do
-        case "$system" in *-eager*|*-eager\[*) continue ;; esac
+        case "$system" in *-eager*) continue ;; esac
         i=$((i + 1))
-        if [ -n "$DRY" ]; then
-            printf 'warm %s' "$name-$i"
-            printf ' %q' python -m bench.step "${args[@]}" --steps 2 --warmup 1 \
-                --host-tax-steps 0 --systems "$system" --json "warm-$name-$i.json"
-            echo
-            continue
-        fi
+        local cmd=(python -m bench.step "${args[@]}" --steps 2 --warmup 1 --host-tax-steps 0
+                   --systems "$system" --json "${TMPDIR:-/tmp}/warm-$name-$i.json")
+        if [ -n "$DRY" ]; then printf 'warm %s' "$name-$i"; printf ' %q' "${cmd[@]}"; echo; continue; fi
         TORCHINDUCTOR_COMPILE_THREADS=2 nice -n 10 timeout --kill-after=10 "${WARM_S:-200}" \
-            python -m bench.step "${args[@]}" --steps 2 --warmup 1 --host-tax-steps 0 \
-            --systems "$system" --json "${TMPDIR:-/tmp}/warm-$name-$i.json" \
-            > "$RESULTS/warm-$name-$i.log" 2>&1 &
+            "${cmd[@]}" > "$RESULTS/warm-$name-$i.log" 2>&1 &
         warm_pids+=($!)
     done
 }
