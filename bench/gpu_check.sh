@@ -9,6 +9,8 @@
 #   OUT=/some/dir bash bench/gpu_check.sh            # tier+warm, bench1, offload, bench8, eager8
 #   STAGES="medium" DEADLINE_S=200 bash bench/gpu_check.sh   # a second call: llama-medium
 #   TIER_S=200 BENCH1_S=100 bash bench/gpu_check.sh   # other limits per stage (seconds)
+#   TIER_K="activation_checkpointing or compile_mode" bash bench/gpu_check.sh
+#        # the tier's cases that pytest -k selects (a rerun of the ones a fix touched)
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh       # print each command, run nothing
 #   OUT=$OUT RESULTS=/tmp/r bash bench/gpu_check.sh   # results in /tmp/r, packed after each
 #        stage into $OUT/results.tar.gz beside summary.txt (for a tool that brings back a few
@@ -149,8 +151,10 @@ warm medium MEDIUM "${MEDIUM_SYSTEMS[@]}"
 # where installed, spreads them over processes that compile side by side.
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n "${TIER_WORKERS:-6}" --dist load)
+tier_k=()
+[ -n "${TIER_K:-}" ] && tier_k=(-k "$TIER_K")
 stage tier "${TIER_S:-280}" python -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu \
-    --junitxml="$RESULTS/tier.xml"
+    "${tier_k[@]}" --junitxml="$RESULTS/tier.xml"
 if [ "${#warm_pids[@]}" -gt 0 ]; then
     start=$SECONDS
     wait "${warm_pids[@]}"

@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,27 @@ def test_every_bench_command_is_one_the_bench_accepts(monkeypatch):
         "bench1", "offload", "bench8", "medium"}  # eager8 compiles nothing
     with pytest.raises(SystemExit):  # the check bites: a misspelt variant option
         parse_args([*stages["bench1"], "--systems", "graphshard-compiled[reshard=auto]"])
+
+
+def test_tier_k_selects_the_tier_cases_a_rerun_names():
+    """``TIER_K`` reaches the tier's pytest as one ``-k`` expression, and the expression
+    gpu_check.sh's header suggests selects cases that exist (collected here, skipped without
+    a GPU): a rerun of the cases a fix touched spends no device time on the others."""
+    expression = re.search(r'TIER_K="([^"]+)"', SCRIPT.read_text()).group(1)
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out", "STAGES": "tier",
+           "TIER_K": expression}
+    printed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
+                             check=True).stdout
+    (line,) = [line for line in printed.splitlines() if line.startswith("stage tier ")]
+    words = shlex.split(line)
+    assert words[words.index("-k") + 1] == expression
+    without = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
+                             env={**env, "TIER_K": ""}, check=True).stdout
+    assert "-k" not in shlex.split(without.splitlines()[0])
+    tests = SCRIPT.parents[1] / "tests" / "gpu"
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+         str(tests), "-k", expression], capture_output=True, text=True, cwd=SCRIPT.parents[1])
+    names = [n for n in collected.stdout.splitlines() if "::" in n]
+    assert names and all("activation_checkpointing" in n or "compile_mode" in n
+                          for n in names), collected.stdout[-2000:]
