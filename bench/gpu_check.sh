@@ -37,6 +37,10 @@
 #            system keeps ~18 GB of fp32 state in host memory (4 of them here). The step
 #            includes AdamW on the host; a compiled row's forward + backward is its step less
 #            the host-tax "optimizer" column
+#   offload8 the same at batch 8 x 1024: graphshard's compiled offload step against its step
+#            without offload, where the forward + backward has four times the compute to hide
+#            the same bytes under (at batch 2 the copies alone take 3.5x the compute:
+#            docs/cpu-offload.md); not a default stage
 #   bench8   fake world of 8, llama-1b in bf16: graphshard against SimpleFSDP's block and
 #            auto bucketing (where torchtitan is installed; auto's estimator needs the fake
 #            world's registered device type)
@@ -96,6 +100,9 @@ OFFLOAD=("${L1B[@]}" --world-size 1 --optimizer fused)
 OFFLOAD_SYSTEMS=(graphshard-offload-compiled
     'graphshard-offload-compiled[grad_copy_stream=False,shard_copy_stream=False]'
     graphshard-offload-eager fsdp2-offload-eager graphshard-compiled)
+OFFLOAD8=(--device cuda --model llama-1b --mixed-precision bf16 --batch-size 8 --seq-len 1024
+    --world-size 1 --optimizer fused)
+OFFLOAD8_SYSTEMS=(graphshard-offload-compiled graphshard-compiled)
 BENCH8=("${L1B[@]}" --fake-world 8)
 BENCH8_SYSTEMS=(graphshard-compiled simplefsdp-block-bucketing simplefsdp-auto-bucketing)
 EAGER8_SYSTEMS=(graphshard-eager 'graphshard-eager[reshard_after_forward=False]' fsdp2-eager)
@@ -144,6 +151,7 @@ warm() {  # warm STAGE ARGS-ARRAY-NAME SYSTEMS...: one background process per co
 
 warm bench1 BENCH1 "${BENCH1_SYSTEMS[@]}"
 warm offload OFFLOAD "${OFFLOAD_SYSTEMS[@]}"  # not by default: ~18 GB of host memory each
+warm offload8 OFFLOAD8 "${OFFLOAD8_SYSTEMS[@]}"
 warm bench8 BENCH8 "${BENCH8_SYSTEMS[@]}"
 warm medium MEDIUM "${MEDIUM_SYSTEMS[@]}"
 
@@ -167,6 +175,9 @@ stage bench1 "${BENCH1_S:-150}" python -m bench.step "${BENCH1[@]}" --steps 12 -
 stage offload "${OFFLOAD_S:-230}" python -m bench.step "${OFFLOAD[@]}" --steps 6 --warmup 2 \
     --host-tax-steps 2 --systems "${OFFLOAD_SYSTEMS[@]}" \
     --json "$RESULTS/offload.json" --markdown "$RESULTS/offload.md"
+stage offload8 "${OFFLOAD8_S:-200}" python -m bench.step "${OFFLOAD8[@]}" --steps 6 --warmup 2 \
+    --host-tax-steps 2 --systems "${OFFLOAD8_SYSTEMS[@]}" \
+    --json "$RESULTS/offload8.json" --markdown "$RESULTS/offload8.md"
 stage bench8 "${BENCH8_S:-200}" python -m bench.step "${BENCH8[@]}" --steps 12 --warmup 3 \
     --host-tax-steps 0 --device-profile-steps 2 --systems "${BENCH8_SYSTEMS[@]}" \
     --json "$RESULTS/bench8.json" --markdown "$RESULTS/bench8.md"

@@ -24,8 +24,8 @@ def _dry_run() -> list[tuple[str, str, list[str]]]:
     """(``stage`` or ``warm``, name, the arguments its ``python -m bench.step`` gets) of every
     bench command, every stage and warm-up named, as the script's dry run prints them."""
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out",
-           "STAGES": "tier bench1 offload bench8 eager8 medium",
-           "WARM": "bench1 offload bench8 eager8 medium"}
+           "STAGES": "tier bench1 offload offload8 bench8 eager8 medium",
+           "WARM": "bench1 offload offload8 bench8 eager8 medium"}
     printed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
                              check=True).stdout
     commands = []
@@ -59,7 +59,7 @@ def test_every_bench_command_is_one_the_bench_accepts(monkeypatch):
     system or variant option stops here, not on the GPU."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     stages = _bench_stages()
-    assert set(stages) == {"bench1", "medium", "offload", "bench8", "eager8"}
+    assert set(stages) == {"bench1", "medium", "offload", "offload8", "bench8", "eager8"}
     for name, argv in stages.items():
         args = parse_args(argv)
         assert args.device == "cuda", name
@@ -73,7 +73,7 @@ def test_every_bench_command_is_one_the_bench_accepts(monkeypatch):
         assert (args.model, args.mixed_precision) == (
             parse_args(stage).model, parse_args(stage).mixed_precision), name
     assert {name.rsplit("-", 1)[0] for name, _ in warm} == {
-        "bench1", "offload", "bench8", "medium"}  # eager8 compiles nothing
+        "bench1", "offload", "offload8", "bench8", "medium"}  # eager8 compiles nothing
     with pytest.raises(SystemExit):  # the check bites: a misspelt variant option
         parse_args([*stages["bench1"], "--systems", "graphshard-compiled[reshard=auto]"])
 
