@@ -114,15 +114,19 @@ def checkpointed_llama(cfg) -> Llama:
     return model
 
 
-def case_activation_checkpointing(world: World, mode: str) -> None:
+def case_activation_checkpointing(world: World, mode: str, block_regions: bool = True) -> None:
     """Every block checkpointed; the reference is the same checkpointed model unsharded
-    (recomputation does not change the numbers)."""
+    (recomputation does not change the numbers). ``block_regions=False``
+    (``compile_blocks_once=False``): the step is one graph, whose recomputed random ops
+    torch's own partitioner functionalizes (on CUDA with generator inputs of the graph),
+    where the block regions' partitioner does it without them."""
     job = llama_job(cls=checkpointed_llama)
-    model = shard_job(world, job)
+    model = shard_job(world, job, compile_blocks_once=block_regions)
     assert sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()) == TINY.n_layers
     out = train(world, model, job, mode)
     ref = reference(job, world.device, shapes=out.local_shapes)
-    check(out, ref, "fp32", _what(world, mode, "activation checkpointing"))
+    check(out, ref, "fp32", _what(world, mode, "activation checkpointing"
+                                  + ("" if block_regions else ", one graph")))
 
 
 def case_clip_grad_norm(world: World, mode: str) -> None:

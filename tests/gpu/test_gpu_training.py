@@ -29,6 +29,10 @@ def test_activation_checkpointing(nccl_world, mode):
     gpu_cases.case_activation_checkpointing(nccl_world, mode)
 
 
+def test_activation_checkpointing_in_one_graph(nccl_world):
+    gpu_cases.case_activation_checkpointing(nccl_world, "compiled", block_regions=False)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_clip_grad_norm(nccl_world, mode):
     gpu_cases.case_clip_grad_norm(nccl_world, mode)
