@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Imported once by the fork server; every rank forks from it with these loaded.
+# Imported once by the fork server; every rank forks from it with these loaded (and with
+# what ``rank_warmup`` computes on import).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-           "torch._inductor.compile_fx", "graphshard"]
+           "torch._inductor.compile_fx", "graphshard", "rank_warmup"]
 START_METHOD = "forkserver"
 _COLLECTION_ENV = dict(os.environ)
 
@@ -41,9 +42,15 @@ def rank_context() -> multiprocessing.context.BaseContext:
     context.set_forkserver_preload(PRELOAD)
     # Start the server (once) in the environment of collection time: what torch reads from
     # the environment at import must not depend on which test happened to launch first.
+    # The server finds ``rank_warmup`` beside this file through PYTHONPATH: Python 3.11's
+    # fork server is handed the launcher's sys.path but does not apply it before its
+    # preloads, and skips a preload it cannot import without a word.
     launching = dict(os.environ)
     os.environ.clear()
     os.environ.update(_COLLECTION_ENV)
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [here, *filter(None, [_COLLECTION_ENV.get("PYTHONPATH")])])
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

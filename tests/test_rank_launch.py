@@ -34,6 +34,23 @@ def test_ranks_fork_from_the_server_in_the_launching_tests_environment(monkeypat
     assert len(parents) == 1 and os.getpid() not in parents
 
 
+def _inherited(rank: int, world_size: int) -> dict:
+    import sys
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return {"warmed": "rank_warmup" in sys.modules,
+            "probed": valid_vec_isa_list.cache_info().currsize}
+
+
+def test_ranks_inherit_the_vector_isa_probe_from_the_server():
+    """``rank_warmup`` ran in the fork server (its import failing there would be silent:
+    the server skips a preload it cannot import), so a rank starts with Inductor's probe of
+    the CPU's vector instruction sets done and compiles without running it again."""
+    for seen in run_ranks(_inherited, 2):
+        assert seen == {"warmed": True, "probed": 1}
+
+
 def _abort_on_rank_1(rank: int, world_size: int) -> None:
     import sys
 
