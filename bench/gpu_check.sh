@@ -100,8 +100,7 @@ OFFLOAD=("${L1B[@]}" --world-size 1 --optimizer fused)
 OFFLOAD_SYSTEMS=(graphshard-offload-compiled
     'graphshard-offload-compiled[grad_copy_stream=False,shard_copy_stream=False]'
     graphshard-offload-eager fsdp2-offload-eager graphshard-compiled)
-OFFLOAD8=(--device cuda --model llama-1b --mixed-precision bf16 --batch-size 8 --seq-len 1024
-    --world-size 1 --optimizer fused)
+OFFLOAD8=("${OFFLOAD[@]}" --batch-size 8)  # the offload stage's, at batch 8 (the last value counts)
 OFFLOAD8_SYSTEMS=(graphshard-offload-compiled graphshard-compiled)
 BENCH8=("${L1B[@]}" --fake-world 8)
 BENCH8_SYSTEMS=(graphshard-compiled simplefsdp-block-bucketing simplefsdp-auto-bucketing)

@@ -48,9 +48,8 @@ def rank_context() -> multiprocessing.context.BaseContext:
     launching = dict(os.environ)
     os.environ.clear()
     os.environ.update(_COLLECTION_ENV)
-    here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [here, *filter(None, [_COLLECTION_ENV.get("PYTHONPATH")])])
+        p for p in (str(Path(__file__).resolve().parent), _COLLECTION_ENV.get("PYTHONPATH")) if p)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -10,4 +10,4 @@ the first graph's device, which a rank must choose itself.
 
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-VEC_ISA = pick_vec_isa()
+pick_vec_isa()  # fills valid_vec_isa_list's cache, which the forked ranks inherit

@@ -64,6 +64,10 @@ def test_every_bench_command_is_one_the_bench_accepts(monkeypatch):
         args = parse_args(argv)
         assert args.device == "cuda", name
         assert args.json.endswith(f"{name}.json"), name
+    offload, offload8 = parse_args(stages["offload"]), parse_args(stages["offload8"])
+    assert (offload.batch_size, offload8.batch_size) == (2, 8)
+    assert (offload8.model, offload8.mixed_precision, offload8.seq_len) == (
+        offload.model, offload.mixed_precision, offload.seq_len)
     warm = [(name, argv) for kind, name, argv in _dry_run() if kind == "warm"]
     for name, argv in warm:  # one compiled system each, the stage's model and precision
         args = parse_args(argv)
