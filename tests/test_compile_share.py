@@ -296,9 +296,10 @@ def _counts() -> dict[str, float]:
     return counts
 
 
-def _shared_compile_job(rank: int, world_size: int) -> dict:
-    # an empty Inductor cache of its own: a hit can only come from what rank 0 published
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"share_rank{rank}_")
+def _shared_compile_job(rank: int, world_size: int, root: str) -> dict:
+    # an empty Inductor cache of its own (under the test's directory, which pytest removes):
+    # a hit can only come from what rank 0 published
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"share_rank{rank}_", dir=root)
     torch.manual_seed(123)
     x = torch.randn(4, 16)
     result: dict = {}
@@ -321,7 +322,7 @@ def _shared_compile_job(rank: int, world_size: int) -> dict:
     # Both ranks on one new directory (the ranks of one host): the first to reach the Dynamo
     # graph compiles it, backward included; the other waits, then AOTAutograd's cache
     # answers it (no tracing, no pass, no Inductor)
-    shared = [tempfile.mkdtemp(prefix="share_host_") if rank == 0 else None]
+    shared = [tempfile.mkdtemp(prefix="share_host_", dir=root) if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared[0]
     from torch._dynamo.utils import counters
@@ -344,10 +345,10 @@ def _shared_compile_job(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored():
+def test_one_rank_compiles_for_both_and_corrupted_artifacts_are_ignored(tmp_path):
     from dist_utils import run_ranks
 
-    rank0, rank1 = run_ranks(_shared_compile_job, 2)
+    rank0, rank1 = run_ranks(_shared_compile_job, 2, str(tmp_path))
     print({f"rank{r}": {case: (v["delta"], round(v["compile_file_s"], 2), v["reasons"])
                          for case, v in result.items() if "delta" in v}
            for r, result in enumerate((rank0, rank1))})
