@@ -20,14 +20,18 @@ from bench.step import parse_args
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
 
 
+def _dry_print(**settings: str) -> str:
+    """What the script's dry run prints (a line per command) with these environment settings."""
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out", **settings}
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
+                          check=True).stdout
+
+
 def _dry_run() -> list[tuple[str, str, list[str]]]:
     """(``stage`` or ``warm``, name, the arguments its ``python -m bench.step`` gets) of every
     bench command, every stage and warm-up named, as the script's dry run prints them."""
-    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out",
-           "STAGES": "tier bench1 offload offload8 bench8 eager8 medium",
-           "WARM": "bench1 offload offload8 bench8 eager8 medium"}
-    printed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
-                             check=True).stdout
+    printed = _dry_print(STAGES="tier bench1 offload offload8 bench8 eager8 medium",
+                         WARM="bench1 offload offload8 bench8 eager8 medium")
     commands = []
     for line in printed.splitlines():
         kind, name, *words = shlex.split(line)
@@ -87,16 +91,15 @@ def test_tier_k_selects_the_tier_cases_a_rerun_names():
     gpu_check.sh's header suggests selects cases that exist (collected here, skipped without
     a GPU): a rerun of the cases a fix touched spends no device time on the others."""
     expression = re.search(r'TIER_K="([^"]+)"', SCRIPT.read_text()).group(1)
-    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": "out", "STAGES": "tier",
-           "TIER_K": expression}
-    printed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
-                             check=True).stdout
-    (line,) = [line for line in printed.splitlines() if line.startswith("stage tier ")]
-    words = shlex.split(line)
+
+    def tier_words(tier_k: str) -> list[str]:
+        printed = _dry_print(STAGES="tier", TIER_K=tier_k)
+        (line,) = [line for line in printed.splitlines() if line.startswith("stage tier ")]
+        return shlex.split(line)
+
+    words = tier_words(expression)
     assert words[words.index("-k") + 1] == expression
-    without = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
-                             env={**env, "TIER_K": ""}, check=True).stdout
-    assert "-k" not in shlex.split(without.splitlines()[0])
+    assert "-k" not in tier_words("")
     tests = SCRIPT.parents[1] / "tests" / "gpu"
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
