@@ -205,7 +205,8 @@ class GraphshardBackend:
         **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
             ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
-            ``reduce_scatter_via``, ``memory_budget``).
+            ``reduce_scatter_via``, ``memory_budget``, ``all_gather_via``,
+            ``gather_from_storage``, ``grad_copy_stream``, ``shard_copy_stream``).
 
     Raises:
         GraphshardTypeError: an unknown option, or an option of the wrong type (a str for
