@@ -205,7 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fake-world", type=int, default=None, metavar="N",
         help="one process as rank 0 of N ranks, collectives computed locally (compute side)",
     )  # fmt: skip
-    parser.add_argument("--json", required=True, help="write the report here")
+    parser.add_argument("--json", default=None,
+                        help="also write the report here (the table is printed either way)")
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -674,7 +675,8 @@ def _spawn_cold_warm(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark: write ``--json`` (and ``--markdown``), print the table, return it."""
+    """Run the benchmark: print the table, write ``--json`` and ``--markdown`` where given,
+    return the report."""
     args = parse_args(argv)
     cfg = llama_config(args.model)
     num_params = sum(p.numel() for p in _count_model(cfg).parameters())
@@ -694,7 +696,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "systems": records,
     }
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     table = to_markdown(report)
     if args.markdown:
         Path(args.markdown).write_text(table)
