@@ -1,6 +1,7 @@
 """docs/api.md against the code: every signature in a heading is the function's own (names,
 order, defaults), and the backend's options table lists exactly the options
-``graphshard.backend`` takes, each with its real default."""
+``graphshard.backend`` takes, each with its real default. Every public name has a docstring
+and type hints."""
 
 from __future__ import annotations
 
@@ -100,3 +101,30 @@ def test_the_backends_docstring_names_every_plan_option():
     doc = inspect.getdoc(GraphshardBackend)
     missing = [f.name for f in dataclasses.fields(Plan) if f.init and f"``{f.name}``" not in doc]
     assert not missing, f"GraphshardBackend's docstring does not name {missing}"
+
+
+def _unannotated(fn) -> list[str]:
+    signature = inspect.signature(fn)
+    missing = [p.name for p in signature.parameters.values()
+               if p.annotation is p.empty and p.name not in ("self", "cls")]
+    if signature.return_annotation is signature.empty:
+        missing.append("return")
+    return missing
+
+
+def _public_functions(obj) -> list:
+    """``obj`` itself where it is a function; a class's ``__init__`` and public methods."""
+    if inspect.isfunction(obj):
+        return [obj]
+    if inspect.isclass(obj):
+        return [member for attr, member in vars(obj).items() if inspect.isfunction(member)
+                and (not attr.startswith("_") or attr == "__init__")]
+    return []
+
+
+@pytest.mark.parametrize("name", graphshard.__all__)
+def test_public_names_have_docstrings_and_type_hints(name):
+    obj = getattr(graphshard, name)
+    assert inspect.getdoc(obj), f"graphshard.{name} has no docstring"
+    for fn in _public_functions(obj):
+        assert not _unannotated(fn), f"{fn.__qualname__}: no type hint for {_unannotated(fn)}"

@@ -425,7 +425,7 @@ def _refuse_sharded_submodules(module: nn.Module) -> None:
 
 def shard(
     module: nn.Module,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     *,
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
     reshard_after_forward: bool | Literal["auto"] = True,
