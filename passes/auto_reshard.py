@@ -133,13 +133,19 @@ class ReshardChoice:
 
     @property
     def kept(self) -> list[int]:
-        """Buckets kept for backward (forward order)."""
-        return [b.bucket for b in self.buckets if b.keep]
+        """Buckets kept for backward (forward order); not those the backward never reads."""
+        return [b.bucket for b in self.buckets if b.keep and b.backward_bytes]
+
+    @property
+    def unread(self) -> list[int]:
+        """Buckets the backward never reads (an untied embedding): nothing is kept for it or
+        gathered again, whatever the choice."""
+        return [b.bucket for b in self.buckets if not b.backward_bytes]
 
     @property
     def freed(self) -> list[int]:
         """Buckets freed after forward and gathered again in backward."""
-        return [b.bucket for b in self.buckets if not b.keep]
+        return [b.bucket for b in self.buckets if not b.keep and b.backward_bytes]
 
     def format(self) -> str:
         """A summary line and a table, one row per bucket."""
@@ -158,8 +164,9 @@ class ReshardChoice:
         for b in self.buckets:
             names = ", ".join(b.params[:2]) + (f", +{len(b.params) - 2}" if len(b.params) > 2
                                                else "")
-            choice = ("keep (ZeRO-2)" if b.keep else "free (ZeRO-3)") + ("" if b.auto
-                                                                        else ", fixed")
+            choice = ("not read in backward" if not b.backward_bytes
+                      else "keep (ZeRO-2)" if b.keep else "free (ZeRO-3)")
+            choice += "" if b.auto or not b.backward_bytes else ", fixed"
             lines.append(f"| {b.bucket} | {names} | {format_bytes(b.gathered_bytes)} | "
                          f"{format_bytes(b.backward_bytes)} | {choice} | "
                          f"{b.added_s * 1e3:.3f} |")
@@ -430,7 +437,7 @@ def choose_reshard(gm: fx.GraphModule, plan, budget: int | None = None) -> Resha
     fixed = {b.index: b.fixed_keep or b.index == last for b in step.buckets if not b.auto}
     auto = [b for b in step.buckets if b.auto and b.backward]
     base = {b.index: True for b in step.buckets} | fixed  # a bucket the backward never reads:
-    # kept or freed alike (nothing is saved, nothing gathered again); reported as kept
+    # kept or freed alike (nothing is saved, nothing gathered again); reported as unread
 
     def evaluate(keep: dict[int, bool], depth: int) -> tuple[float, int]:
         return step.time(keep, depth), step.peak(keep, depth)

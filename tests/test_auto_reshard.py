@@ -240,3 +240,27 @@ def test_measured_keep_and_free_match_the_choice(world2):
         assert sorted(results["auto_budget"]["bw_gathers"]) == sorted(choices[0]["freed"])
         assert results["auto"]["bw_gathers"] == [] == results["false"]["bw_gathers"]
         assert results["auto"]["choice"]["freed"] == []
+
+
+def test_a_bucket_the_backward_never_reads_is_reported_neither_kept_nor_freed():
+    """An untied embedding's gradient needs only the token ids: the backward reads none of
+    its bucket's gathered weight, so keeping or freeing it changes nothing. The choice and
+    ``graphshard plan`` say so, where they said "keep (ZeRO-2)" beside a warning that every
+    bucket was freed."""
+    from graphshard.models.llama import Llama, llama_config
+
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = graphshard.shard(Llama(llama_config("tiny", tie_embeddings=False)),
+                                 reshard_after_forward="auto")
+        backend = graphshard.backend(inductor=False, memory_budget=1)
+        with pytest.warns(UserWarning, match="no schedule fits memory_budget"):
+            torch.compile(model, backend=backend)(torch.randint(0, 256, (2, 16))).loss.backward()
+    (stages,) = backend.graphs
+    choice = reshard_choice(stages["joint"])
+    embedding = next(b for b in choice.buckets if "tok_embeddings.weight" in b.params)
+    assert embedding.backward_bytes == 0 and choice.unread == [embedding.bucket]
+    assert choice.kept == [] and embedding.bucket not in choice.freed
+    assert sorted(choice.freed + choice.unread) == [b.bucket for b in choice.buckets]
+    row = next(line for line in choice.format().splitlines() if "tok_embeddings" in line)
+    assert "| not read in backward |" in row

@@ -333,8 +333,10 @@ def format_reshard_choices(rows: list[WhatIf]) -> str:
     for r in rows:
         for i, choice in enumerate(r.reshard_choices):
             graph = f", graph {i}" if len(r.reshard_choices) > 1 else ""
+            unread = f", {len(choice.unread)} not read in backward" if choice.unread else ""
             lines += [f"N={r.world_size}{graph}: kept {len(choice.kept)} bucket(s) for backward"
-                      f" (ZeRO-2), freed {len(choice.freed)} (ZeRO-3)", choice.format(), ""]
+                      f" (ZeRO-2), freed {len(choice.freed)} (ZeRO-3){unread}", choice.format(),
+                      ""]
     return "\n".join(lines)
 
 
