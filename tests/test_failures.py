@@ -55,6 +55,17 @@ def job_plans_then_raise(rank: int, world_size: int) -> dict:
     # 3. different values (another seed on rank 1): refused by shard(), naming them
     torch.manual_seed(rank)
     out["values"] = _error(lambda: graphshard.shard(OddMLP()))
+    # 3b. the same parameters, a buffer that differs (a random projection built unseeded);
+    # one registered after shard() may differ (per-rank state)
+    torch.manual_seed(0)
+    model = OddMLP()
+    model.register_buffer("projection", torch.full((3,), float(rank)))
+    out["buffer"] = _error(lambda: graphshard.shard(model))
+    torch.manual_seed(0)
+    model = graphshard.shard(OddMLP())
+    model.register_buffer("projection", torch.full((3,), float(rank)))
+    x, y = torch.randn(4, 13), torch.randn(4, 3)
+    out["buffer_after"] = _error(lambda: model(x, y).loss.backward())
     # 4. different backend options: refused at the first compile, before the first gather
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -225,9 +236,20 @@ def test_different_parameter_values_are_refused_by_shard(ranks):
     for out in ranks:
         kind, msg = out["values"]
         assert kind == "PlanMismatchError", msg
-        assert "parameter values given to graphshard.shard() differs between ranks" in msg
+        assert ("parameter and buffer values given to graphshard.shard() differs between "
+                "ranks") in msg
         assert "values of 'layers.0.weight': rank 0 has" in msg and "rank 1 has" in msg
         assert "torch.device('meta')" in msg and "to_empty" in msg
+
+
+def test_a_buffer_that_differs_between_ranks_is_refused_by_shard(ranks):
+    for out in ranks:
+        kind, msg = out["buffer"]
+        assert kind == "PlanMismatchError", msg
+        assert "values of buffer 'projection': rank 0 has" in msg
+        assert "values of 'layers.0.weight'" not in msg  # the parameters agree
+        assert "register one meant to differ per rank after graphshard.shard()" in msg
+        assert out["buffer_after"] == ("", "no error")
 
 
 def test_different_backend_options_are_refused_at_compile(ranks):

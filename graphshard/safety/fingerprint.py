@@ -9,9 +9,11 @@ before the first collective graphshard compares, across the ranks of the shardin
 - at :func:`graphshard.shard`: world size, every parameter (names, full shape, dtype,
   bucket), the bucket names and the sharding options (:func:`shard_fingerprint`);
 - at :func:`graphshard.shard`, the values every rank holds (a hash of each parameter's
-  bytes, before sharding; :func:`check_shard_values`): each rank keeps its rows of its own
-  copy, so copies that differ (different seeds, a model ``to_empty``'d before ``shard()``)
-  would make a model no rank built;
+  and each buffer's bytes, before sharding; :func:`check_shard_values`): each rank keeps its
+  rows of its own copy, so copies that differ (different seeds, a model ``to_empty``'d
+  before ``shard()``) would make a model no rank built; a buffer stays whole on every rank,
+  so one that differs (a random projection built without the seed) makes each rank compute
+  another function, and their gradients are averaged as if they were one;
 - at the first compile of a graph: the backend's plan options and every ``unshard`` marker
   of the graph (name, shape, dtype, bucket, policy) (:func:`graph_fingerprint`).
 
@@ -269,22 +271,28 @@ def value_digest(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(data.numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def check_shard_values(state: Any, params: list[tuple[torch.Tensor, str]]) -> None:
-    """Compare the values of the full ``(parameter, name)`` pairs across the sharding
-    group(s) before they are sharded; meta parameters have none and are left out."""
+def check_shard_values(state: Any, params: list[tuple[torch.Tensor, str]],
+                       buffers: list[tuple[torch.Tensor, str]] = ()) -> None:
+    """Compare the values of the full ``(parameter, name)`` pairs, before they are sharded,
+    and of the ``(buffer, name)`` pairs across the sharding group(s); meta tensors have none
+    and are left out."""
     groups = [g for g in _groups_of(state) if not _skip(g)]
     if not groups:
         return
     values = {f"values of {name!r}": value_digest(p) for p, name in params if not p.is_meta}
+    values |= {f"values of buffer {name!r}": value_digest(b) for b, name in buffers
+               if not b.is_meta}
     for group in groups:
         compare_across_ranks(
-            values, group, "parameter values given to graphshard.shard()",
+            values, group, "parameter and buffer values given to graphshard.shard()",
             "Each rank keeps its rows of its own copy, so every rank must hold the same "
             "values: seed identically (torch.manual_seed) before building the model, or "
             "build it under torch.device('meta'), call graphshard.shard(), then "
             "model.to_empty(device=...) and initialise it (reset_parameters() / "
             "init_weights()) or load it (dcp.load, set_model_state_dict). A model "
-            "to_empty'd before shard() holds uninitialised memory.",
+            "to_empty'd before shard() holds uninitialised memory. Buffers stay whole on "
+            "every rank and are compared too; register one meant to differ per rank after "
+            "graphshard.shard().",
             "so the sharded model would be a mix of copies no rank holds; stopped before "
             "sharding",
         )

@@ -70,7 +70,7 @@ def after_shard(module: nn.Module, state: Any, originals: list[tuple[nn.Paramete
     _first_in_dict(module, _COPY_REFUSAL_ATTR, _CopyRefusal(type(module).__name__))
     _STATES.append(weakref.ref(state))
     check_shard_plan(state)
-    check_shard_values(state, originals)
+    check_shard_values(state, originals, [(b, n) for n, b in module.named_buffers()])
 
 
 # --------------------------------------------------------------------------- parameter writes
