@@ -208,14 +208,23 @@ def test_an_update_inside_a_torch_function_is_refused_eagerly_and_the_recipe_run
         assert float(model.emb.weight.to_local().detach().norm(dim=1).max()) <= 1.0 + 1e-6
 
 
+def _grads_follow_placements(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor), name
+        assert param.grad.placements == param.placements and param.grad.shape == param.shape
+
+
 def test_updating_the_sharded_parameter_outside_forward_is_fine():
     with fake_process_group(2):
         model = graphshard.shard(ClampsInForward())
         model.forward = lambda x: model.b(model.a(x))  # no update inside forward
+        rows = model.a.weight.to_local().detach().clone()
         with torch.no_grad():
             model.a.weight.clamp_(-0.05, 0.05)  # the sharded DTensor itself
+        assert torch.equal(model.a.weight.to_local(), rows.clamp(-0.05, 0.05))
         _compile_step(model)
         model(torch.randn(4, 8)).sum().backward()
+        _grads_follow_placements(model)
 
 
 def test_a_parametrization_registered_after_shard_says_to_register_it_before():
@@ -258,17 +267,26 @@ def test_assigning_a_sharded_parameters_data_is_refused_at_the_next_forward_and_
 def test_in_place_updates_and_conversions_of_sharded_parameters_are_not_taken_for_it():
     with fake_process_group(2):
         model = graphshard.shard(TwoBlock())
+        up, head = (p.to_local().detach().clone()
+                    for p in (model.blocks[0].up.weight, model.head.weight))
         with torch.no_grad():
             model.blocks[0].up.weight.mul_(0.5)
             model.head.weight.copy_(model.head.weight * 2)
+        assert torch.equal(model.blocks[0].up.weight.to_local(), up * 0.5)
+        assert torch.equal(model.head.weight.to_local(), head * 2)
         model.double()  # graphshard follows the swapped shards
+        assert model.head.weight.dtype == torch.float64
+        assert shard_state(model).params[0].param is next(model.parameters())
         model.float()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.randn(4, 8)).sum().backward()
+        _grads_follow_placements(model)
         opt.step()
         meta = graphshard.shard(TwoBlock().to("meta"))
         meta.to_empty(device="cpu")
+        assert not any(p.is_meta or p.to_local().is_meta for p in meta.parameters())
         meta(torch.randn(4, 8)).sum().backward()
+        _grads_follow_placements(meta)
         torch.optim.SGD(meta.parameters(), lr=0.1).step()
 
 
