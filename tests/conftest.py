@@ -1,8 +1,11 @@
-"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank; the
-``one_rank`` fixture (a real one-rank gloo group in the test's own process) and ``fake2`` (a
-fake process group of 2, for tests that look at graphs)."""
+"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank, and no
+calibrated hardware profile; the ``one_rank`` fixture (a real one-rank gloo group in the
+test's own process) and ``fake2`` (a fake process group of 2, for tests that look at
+graphs)."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from datetime import timedelta
@@ -14,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The cost model's built-in profiles only: a profile that `graphshard calibrate` saved on this
+# machine (~/.cache/graphshard/profiles, or $GRAPHSHARD_PROFILE_DIR) would change the plans
+# the tests expect. An empty directory of this run's own, removed at exit.
+_PROFILES = tempfile.mkdtemp(prefix="graphshard-test-profiles-")
+os.environ["GRAPHSHARD_PROFILE_DIR"] = _PROFILES
+atexit.register(shutil.rmtree, _PROFILES, ignore_errors=True)
 # On a small machine Inductor compiles in this process and in every rank's, not in a pool of
 # worker processes: each pool worker imports torch anew, in every rank of every launch, and
 # where the test workers and ranks already fill the cores that costs more than the pool saves

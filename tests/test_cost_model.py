@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +101,17 @@ def test_unknown_profile_lists_known_names(tmp_path, monkeypatch):
 def test_builtin_profile_without_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHSHARD_PROFILE_DIR", str(tmp_path))
     assert get_profile("cpu-gloo") == PROFILES["cpu-gloo"]
+
+
+def test_the_suite_sees_no_calibrated_profile():
+    """conftest points GRAPHSHARD_PROFILE_DIR at an empty directory of the run's own: a
+    profile `graphshard calibrate` saved on this machine would change the plans tests expect
+    (with one of alpha 0.5 s there, test_bucketing's "auto" case failed)."""
+    from graphshard.passes.cost_model import profile_dir
+
+    assert profile_dir() != Path("~/.cache/graphshard/profiles").expanduser()
+    assert not list(profile_dir().glob("*.json"))
+    assert all(get_profile(name) == builtin for name, builtin in PROFILES.items())
 
 
 def test_calibrated_json_overrides_builtin(tmp_path, monkeypatch):
