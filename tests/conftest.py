@@ -1,7 +1,7 @@
-"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank, and no
-calibrated hardware profile; the ``one_rank`` fixture (a real one-rank gloo group in the
-test's own process) and ``fake2`` (a fake process group of 2, for tests that look at
-graphs)."""
+"""Test setup: one Inductor cache for the whole run, inherited by every spawned rank, no
+calibrated hardware profile and no dump directory; the ``one_rank`` fixture (a real one-rank
+gloo group in the test's own process) and ``fake2`` (a fake process group of 2, for tests
+that look at graphs)."""
 
 import atexit
 import os
@@ -23,6 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _PROFILES = tempfile.mkdtemp(prefix="graphshard-test-profiles-")
 os.environ["GRAPHSHARD_PROFILE_DIR"] = _PROFILES
 atexit.register(shutil.rmtree, _PROFILES, ignore_errors=True)
+# Nor a dump directory of the user's: every compile would write its graphs there (and trace
+# at once what AOTAutograd's cache answers); the dump tests set their own.
+os.environ.pop("GRAPHSHARD_DUMP_DIR", None)
 # On a small machine Inductor compiles in this process and in every rank's, not in a pool of
 # worker processes: each pool worker imports torch anew, in every rank of every launch, and
 # where the test workers and ranks already fill the cores that costs more than the pool saves
