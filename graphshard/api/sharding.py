@@ -496,6 +496,9 @@ def shard(
             was sharded already: shard once, on the root, and name groups with ``buckets=``.
         GraphshardNotImplementedError: a complex parameter (store its
             ``torch.view_as_real`` form instead).
+        PlanMismatchError: the ranks differ in the model (shapes, dtypes), the buckets or
+            the options, or in the values of a parameter or buffer (seed identically, or
+            init on the meta device after ``shard()``); raised on every rank.
 
     Methods other than ``forward`` that compute with the parameters (``model.encode(x)``)
     must be registered with :func:`graphshard.register_forward_method`.

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -271,8 +271,8 @@ def value_digest(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(data.numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def check_shard_values(state: Any, params: list[tuple[torch.Tensor, str]],
-                       buffers: list[tuple[torch.Tensor, str]] = ()) -> None:
+def check_shard_values(state: Any, params: Sequence[tuple[torch.Tensor, str]],
+                       buffers: Sequence[tuple[torch.Tensor, str]] = ()) -> None:
     """Compare the values of the full ``(parameter, name)`` pairs, before they are sharded,
     and of the ``(buffer, name)`` pairs across the sharding group(s); meta tensors have none
     and are left out."""
