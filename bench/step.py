@@ -185,7 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "none on the CPU",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default: 128, or the model's longest where "
+                        "that is shorter)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--systems", nargs="+", default=list(SYSTEMS),
@@ -269,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device_profile_steps < 0:
         parser.error("--device-profile-steps must be at least 0")
     max_seq = llama_config(args.model).max_seq_len
+    if args.seq_len is None:
+        args.seq_len = min(128, max_seq)
     if not 2 <= args.seq_len <= max_seq:
         parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
     if args.device == "cuda" and torch.cuda.device_count() < args.processes:

@@ -34,7 +34,7 @@ from bench.step import (
 from bench.systems import BenchContext, PeerUnavailable, block_bucket_plans, variant_options
 from bench.timing import inline_collective_stats, round_ratios
 from graphshard._torch_version import installed_torch_version
-from graphshard.models.llama import Llama, llama_config
+from graphshard.models.llama import CONFIGS, Llama, llama_config
 
 SYSTEMS = [
     "graphshard-compiled",
@@ -687,6 +687,15 @@ def test_llama_1b_preset_is_about_a_billion_parameters():
     assert parse_args(["--json", "x.json", "--model", "llama-1b", "--seq-len", "2048"]).model == (
         "llama-1b"
     )
+
+
+def test_every_model_runs_with_the_default_sequence_length_and_no_json():
+    """``--seq-len`` defaults to 128 or the model's longest where shorter (tiny: 64), and
+    ``--json`` is optional: ``python -m bench.step --model tiny`` parses as it is."""
+    assert parse_args(["--model", "tiny"]).seq_len == 64
+    assert parse_args([]).seq_len == 128 and parse_args([]).json is None
+    for model in CONFIGS:
+        assert 2 <= parse_args(["--model", model]).seq_len <= llama_config(model).max_seq_len
 
 
 def test_mixed_precision_option_reaches_every_system():
