@@ -76,14 +76,22 @@ def predict(model: str, batch_size: int, seq_len: int, world_size: int, profile:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Print (and return) one predicted row per setting of :data:`SETTINGS`."""
+    from graphshard.models.llama import CONFIGS, llama_config
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--model", default="llama-1b", choices=list(CONFIGS))
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="default: 1024, or the model's longest where that is shorter")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--profile", default="h100-nvlink")
     parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None)
     args = parser.parse_args(argv)
+    max_seq = llama_config(args.model).max_seq_len
+    if args.seq_len is None:
+        args.seq_len = min(1024, max_seq)
+    if not 2 <= args.seq_len <= max_seq:
+        parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
     dtype = {"bf16": "bfloat16", "fp16": "float16", None: None}[args.mixed_precision]
     print(f"{args.model}, world {args.world_size}, batch {args.batch_size}x{args.seq_len}, "
           f"{args.mixed_precision or 'fp32'}, CPUOffload, profile {args.profile} (predicted ms)")

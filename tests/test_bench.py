@@ -868,6 +868,15 @@ def _main_in_its_own_process(module: str, argv: list[str]) -> tuple[str, Any]:
     return done.stdout, json.loads(line.removeprefix("RESULT "))
 
 
+def test_offload_prediction_refuses_a_sequence_longer_than_the_model():
+    from bench.offload_predict import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--seq-len", "65"])
+    with pytest.raises(SystemExit):
+        main(["--model", "no-such-preset"])
+
+
 def test_offload_prediction_prices_the_copies_and_their_streams():
     """``python -m bench.offload_predict`` (its own process: it registers a stand-in
     accelerator) prints one row per setting. On a model whose copies outweigh its compute,

@@ -56,6 +56,15 @@ def test_causal():
     assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 
+def test_a_sequence_longer_than_max_seq_len_names_the_fix():
+    """The rotary tables hold max_seq_len positions: a longer sequence failed deep in
+    apply_rotary ("Attempting to broadcast a dimension of length 64")."""
+    model = Llama(llama_config("tiny"))
+    model(torch.zeros(1, 64, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"65 tokens .* max_seq_len \(64\).*max_seq_len=65"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
 def test_rotary_preserves_norm_and_position_zero():
     model = tiny()
     cos, sin = model.rope(5)

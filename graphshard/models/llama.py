@@ -139,6 +139,11 @@ class RotaryEmbedding(nn.Module):
         return out
 
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.max_seq_len:
+            raise GraphshardValueError(
+                f"a sequence of {seq_len} tokens is longer than this Llama's max_seq_len "
+                f"({self.max_seq_len}): cut the sequences, or build the model with "
+                f"llama_config(..., max_seq_len={seq_len})")
         return self.cos[:seq_len], self.sin[:seq_len]
 
 
