@@ -50,7 +50,10 @@ def test_an_error_in_a_submodule_unwinds_the_count(one_rank):
     with pytest.raises(RuntimeError):
         model.output(torch.randn(2, 8, 5))  # wrong width, called alone
     assert shard_state(model).forward_depth == 0
-    with pytest.raises(RuntimeError):  # inside the model's forward
+    with pytest.raises(IndexError):  # inside the model's forward, in a sharded submodule
+        model(torch.randint(64, 128, (2, 8)))  # token ids past the vocabulary
+    assert shard_state(model).forward_depth == 0
+    with pytest.raises(ValueError, match="max_seq_len"):  # inside it, in the rotary tables
         model(torch.randint(0, 64, (2, 9)))  # longer than the rotary tables
     assert shard_state(model).forward_depth == 0
     assert isinstance(model.output.weight, DTensor)
