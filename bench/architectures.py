@@ -82,16 +82,17 @@ ARCHITECTURES: dict[str, Architecture] = {
         "T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8,
         d_ff=64, num_layers=2, num_decoder_layers=1, num_heads=4, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0), "seq2seq",
-        "two block lists, a position bias the first block computes and passes on, "
-        "cross-attention, embeddings tied across encoder, decoder and head"),
+        "encoder-decoder, a position bias the first block passes on, cross-attention, "
+        "one embedding tied three ways"),
     "mamba": Architecture(_built(
         "MambaForCausalLM", "MambaConfig", vocab_size=VOCAB, hidden_size=32, state_size=8,
         num_hidden_layers=3, expand=2, conv_kernel=4, use_cache=False), "tokens",
         "selective state-space blocks: a causal Conv1d, gates, a scan; no attention"),
     "gpt2": Architecture(_built(
         "GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
-        "tokens", "Conv1D layers (transposed weights), learned positions, tied head"),
+        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
+        eos_token_id=2, use_cache=False), "tokens",
+        "Conv1D layers (transposed weights), learned positions, tied head"),
     "gpt_neox": Architecture(_causal(
         "GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5, use_parallel_residual=True,
         **_NO_DROPOUT), "tokens", "parallel residual, rotary on half of each head"),
@@ -218,6 +219,9 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             results[(name, mode)] = {"losses": losses, "state": full_state(model)}
         except Exception:  # noqa: BLE001  (reported in the table)
             results[(name, mode)] = {"error": traceback.format_exc()}
+        if rank == 0:
+            done = "raised" if "error" in results[(name, mode)] else "trained"
+            print(f"[architectures] {name} {mode}: {done}", file=sys.stderr, flush=True)
     return results
 
 
@@ -261,18 +265,33 @@ def compare(per_rank: list[dict], reference: dict, rtol: float, atol: float) -> 
 
 
 def table(rows: list[dict]) -> str:
-    """The markdown table of ``rows`` (one per architecture and mode)."""
-    lines = ["| architecture | exercises | mode | losses: max rel. diff | state: max abs. diff "
-             "| verdict |", "|---|---|---|---:|---:|---|"]
+    """The markdown table of ``rows``: one line per architecture, a column per mode with the
+    losses' largest relative and the state's largest absolute difference."""
+    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    by_name: dict[str, dict[str, dict]] = {}
     for row in rows:
-        if "error" in row:
-            verdict = f"failed: {row['error'][:200]}"
-        else:
-            verdict = "as one process" if row["ok"] else "**differs**"
-        loss = f"{row['loss_rel']:.1e}" if "loss_rel" in row else ""
-        state = f"{row['state_abs']:.1e}" if "state_abs" in row else ""
-        lines.append(f"| {row['architecture']} | {ARCHITECTURES[row['architecture']].exercises} "
-                     f"| {row['mode']} | {loss} | {state} | {verdict} |")
+        by_name.setdefault(row["architecture"], {})[row["mode"]] = row
+    lines = ["| architecture | exercises | " + " | ".join(
+        f"{mode}: losses / state" for mode in modes) + " | verdict |",
+        "|---|---|" + "---:|" * len(modes) + "---|"]
+    for name, cells in by_name.items():
+        shown, verdicts = [], []
+        for mode in modes:
+            row = cells.get(mode)
+            if row is None:
+                shown.append("")
+                continue
+            if "loss_rel" in row and "state_abs" in row:
+                shown.append(f"{row['loss_rel']:.1e} / {row['state_abs']:.1e}")
+            else:
+                shown.append("")
+            if "error" in row:
+                verdicts.append(f"{mode} failed: {row['error'][:200]}")
+            elif not row["ok"]:
+                verdicts.append(f"**{mode} differs**")
+        verdict = "; ".join(verdicts) or "as one process"
+        lines.append(f"| {name} | {ARCHITECTURES[name].exercises} | {' | '.join(shown)} "
+                     f"| {verdict} |")
     return "\n".join(lines) + "\n"
 
 

@@ -87,4 +87,4 @@ def test_the_verdict_names_a_difference_and_a_failure():
     text = architectures.table([{"architecture": "t5", "mode": "eager", **row},
                                 {"architecture": "vit", "mode": "compiled", "ok": False,
                                  "loss_rel": 0.0, "state_abs": 0.5}])
-    assert "failed: RuntimeError: boom" in text and "**differs**" in text
+    assert "eager failed: RuntimeError: boom" in text and "**compiled differs**" in text
