@@ -55,24 +55,20 @@ def _transformers() -> Any:
     return transformers
 
 
-def _causal(config: str, model: str, **overrides: Any) -> Callable[[], Any]:
-    def build() -> Any:
-        t = _transformers()
-        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                       use_cache=False)
-        options.update(overrides)
-        return getattr(t, model)(getattr(t, config)(**options))
-
-    return build
-
-
 def _built(model: str, config: str, **options: Any) -> Callable[[], Any]:
     def build() -> Any:
         t = _transformers()
         return getattr(t, model)(getattr(t, config)(**options))
 
     return build
+
+
+def _causal(config: str, model: str, **overrides: Any) -> Callable[[], Any]:
+    """A decoder with the Llama-like configs' common small sizes, ``overrides`` on top."""
+    return _built(model, config, **{
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+        "use_cache": False, **overrides})
 
 
 _NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)

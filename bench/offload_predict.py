@@ -76,7 +76,8 @@ def predict(model: str, batch_size: int, seq_len: int, world_size: int, profile:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Print (and return) one predicted row per setting of :data:`SETTINGS`."""
-    from graphshard.models.llama import CONFIGS, llama_config
+    from bench.systems import sequence_length
+    from graphshard.models.llama import CONFIGS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b", choices=list(CONFIGS))
@@ -87,11 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--profile", default="h100-nvlink")
     parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None)
     args = parser.parse_args(argv)
-    max_seq = llama_config(args.model).max_seq_len
-    if args.seq_len is None:
-        args.seq_len = min(1024, max_seq)
-    if not 2 <= args.seq_len <= max_seq:
-        parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
+    args.seq_len = sequence_length(parser, args.model, args.seq_len, 1024)
     dtype = {"bf16": "bfloat16", "fp16": "float16", None: None}[args.mixed_precision]
     print(f"{args.model}, world {args.world_size}, batch {args.batch_size}x{args.seq_len}, "
           f"{args.mixed_precision or 'fp32'}, CPUOffload, profile {args.profile} (predicted ms)")

@@ -145,6 +145,7 @@ from bench.systems import (
     build_system,
     is_offload,
     is_system,
+    sequence_length,
     trains_alone,
 )
 from bench.timing import sync, train_step, wait_time
@@ -270,11 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--host-tax-steps must be at least 0")
     if args.device_profile_steps < 0:
         parser.error("--device-profile-steps must be at least 0")
-    max_seq = llama_config(args.model).max_seq_len
-    if args.seq_len is None:
-        args.seq_len = min(128, max_seq)
-    if not 2 <= args.seq_len <= max_seq:
-        parser.error(f"--seq-len must be in [2, {max_seq}] for {args.model}")
+    args.seq_len = sequence_length(parser, args.model, args.seq_len, 128)
     if args.device == "cuda" and torch.cuda.device_count() < args.processes:
         parser.error(
             f"--device cuda needs {args.processes} GPUs, found {torch.cuda.device_count()}"

@@ -75,7 +75,7 @@ from torch import nn
 
 import graphshard
 from graphshard import GraphshardBackend
-from graphshard.models.llama import Llama, LlamaConfig
+from graphshard.models.llama import Llama, LlamaConfig, llama_config
 
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
@@ -122,6 +122,17 @@ OFFLOAD_SYSTEMS: tuple[str, ...] = (
 )
 # Systems that run in one process, on rank 0 alone (the other ranks have nothing to run).
 ONE_PROCESS_SYSTEMS = frozenset({"single-compiled", "single-regions-compiled"})
+
+
+def sequence_length(parser: Any, model: str, seq_len: int | None, default: int) -> int:
+    """``--seq-len`` for the preset ``model``: ``default`` or the model's longest where that is
+    shorter when not given; outside ``[2, max_seq_len]`` a usage error from ``parser``."""
+    max_seq = llama_config(model).max_seq_len
+    if seq_len is None:
+        seq_len = min(default, max_seq)
+    if not 2 <= seq_len <= max_seq:
+        parser.error(f"--seq-len must be in [2, {max_seq}] for {model}")
+    return seq_len
 
 
 def trains_alone(fake_world: bool) -> frozenset[str]:
