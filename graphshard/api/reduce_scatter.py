@@ -15,15 +15,13 @@ use :func:`reduce_scatter` so that both give the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from graphshard.passes.layout import eager, sum_received
 from graphshard.passes.plan import use_all_to_all
 
-__all__ = ["group_backend", "issue_reduce_scatter", "reduce_scatter"]
+__all__ = ["group_backend", "reduce_scatter"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -48,28 +46,14 @@ def group_backend(group_name: str, device: torch.device) -> str | None:
     return name() if callable(name) else None
 
 
-def issue_reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str
-                         ) -> Callable[[], torch.Tensor]:
-    """Issue the reduce-scatter of :func:`reduce_scatter` and return what finishes it: a
-    function that waits for the collective and returns this rank's reduced piece. Between
-    the two the collective runs beside whatever the caller does (on gloo in its worker
-    thread, on NCCL on its stream)."""
+def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's 1/``group_size`` of ``flat`` reduced (``op``: ``"sum"`` or ``"avg"``) over
+    the group, with the algorithm ``"auto"`` picks for the group's backend."""
     flat = flat.contiguous()
     if use_all_to_all("auto", group_backend(group_name, flat.device)):
         piece = flat.numel() // group_size
         splits = [piece] * group_size
-        received = _c10d.all_to_all_single(flat, splits, splits, group_name)
+        pieces = _c10d.wait_tensor(_c10d.all_to_all_single(flat, splits, splits, group_name))
+        return sum_received(eager, pieces, group_size, average=op == "avg")
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, op, group_size, group_name))
 
-        def summed() -> torch.Tensor:
-            pieces = _c10d.wait_tensor(received)
-            return sum_received(eager, pieces, group_size, average=op == "avg")
-
-        return summed
-    reduced = _c10d.reduce_scatter_tensor(flat, op, group_size, group_name)
-    return lambda: _c10d.wait_tensor(reduced)
-
-
-def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str) -> torch.Tensor:
-    """This rank's 1/``group_size`` of ``flat`` reduced (``op``: ``"sum"`` or ``"avg"``) over
-    the group, with the algorithm ``"auto"`` picks for the group's backend."""
-    return issue_reduce_scatter(flat, op, group_size, group_name)()
