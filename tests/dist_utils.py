@@ -30,6 +30,11 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "torch._inductor.compile_fx", "graphshard", "rank_warmup"]
 START_METHOD = "forkserver"
+# The all-gathers an op counter sees, by op, with the index of the tensor each sends: the
+# functional one, and gloo's single-tensor one that graphshard's eager gathers issue there
+# (graphshard.safety.gloo_gather).
+ALL_GATHER_SENT = {torch.ops._c10d_functional.all_gather_into_tensor.default: 0,
+                   torch.ops.c10d._allgather_base_.default: 1}
 _COLLECTION_ENV = dict(os.environ)
 
 

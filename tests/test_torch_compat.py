@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphshard.api import step_prefetch
+from graphshard.safety import gloo_gather
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "graphshard", ROOT / "passes", ROOT / "bench"]
@@ -79,9 +79,9 @@ def test_every_dist_function_called_exists_in_this_torch():
 
 def test_step_prefetch_gathers_with_the_api_this_torch_has():
     if hasattr(dist, "all_gather_single"):  # torch 2.13 on
-        assert step_prefetch._all_gather_single is dist.all_gather_single
+        assert gloo_gather.all_gather_single is dist.all_gather_single
     else:  # torch 2.11
-        assert step_prefetch._all_gather_single is dist.all_gather_into_tensor
+        assert gloo_gather.all_gather_single is dist.all_gather_into_tensor
 
 
 def test_the_step_prefetch_gather_runs_async_without_a_deprecation_warning(one_rank):
@@ -89,7 +89,7 @@ def test_the_step_prefetch_gather_runs_async_without_a_deprecation_warning(one_r
     gathered = sent.new_empty(6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        work = step_prefetch._all_gather_single(gathered, sent, one_rank, async_op=True)
+        work = gloo_gather.all_gather_single(gathered, sent, one_rank, async_op=True)
     work.wait()
     assert torch.equal(gathered, sent)
 

@@ -527,14 +527,13 @@ def job_rollout(rank: int, world_size: int, optimizer: str) -> dict:
     model = llama()
     graphshard.shard(model)
     gathers = Counter()
-    all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     with graphshard.unshard(model) as held, _count_gathers(gathers):
         held_names = held.parameter_names
         result = rollout(model, optimizer, {rank: rollout_prompt(rank)})
     return {**{key: value[0] for key, value in result.items()},
-            "held": len(held_names), "gathers": gathers[UNSHARD] + gathers[all_gather],
+            "held": len(held_names), "gathers": gathers[UNSHARD] + gathers["all_gather"],
             "backward_gathers": (gathers[("backward", UNSHARD)]
-                                 + gathers[("backward", all_gather)]),
+                                 + gathers[("backward", "all_gather")]),
             "params": len(list(model.parameters())),
             "buckets": len({e.bucket for e in shard_state(model).params}),
             "state": {name: full(p) for name, p in model.named_parameters()}}
@@ -550,16 +549,18 @@ def reference_rollout(world_size: int, optimizer: str) -> dict:
 @contextlib.contextmanager
 def _count_gathers(counts: Counter):
     """Count the ops dispatched while active (the eager gathers are ``graphshard::unshard``
-    and a bucket's all-gather). The all-gather of one element, the ranks' comparison of
-    their forwards (``graphshard.safety.rank_agreement``), is counted apart, as
-    ``"digest"``, and what a backward dispatches as ``("backward", op)``."""
+    and a bucket's all-gather, counted as ``"all_gather"``: on gloo the single-tensor
+    collective, graphshard.safety.gloo_gather). The all-gather of one element, the ranks'
+    comparison of their forwards (``graphshard.safety.rank_agreement``), is counted apart,
+    as ``"digest"``, and what a backward dispatches as ``("backward", op)``."""
+    from dist_utils import ALL_GATHER_SENT
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            key = "digest" if func is all_gather and args[0].numel() == 1 else func
+            key = func
+            if func in ALL_GATHER_SENT:
+                key = "digest" if args[ALL_GATHER_SENT[func]].numel() == 1 else "all_gather"
             if torch._C._current_graph_task_id() != -1:  # in a backward
                 key = ("backward", key)
             counts[key] += 1

@@ -57,6 +57,7 @@ from graphshard.passes.layout import (
 )
 from graphshard.passes.markers import GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
+from graphshard.safety.gloo_gather import all_gather
 
 __all__ = ["end_forward", "gather_bucket", "gather_copies", "issue_gather",
            "register_bucket_member", "take_gathered", "travels_as"]
@@ -144,7 +145,7 @@ class _PendingGather:
         first = reads[0][1]
         with torch.no_grad(), torch.inference_mode(False):
             self.sent, self.layouts = _pieces(reads)
-            self.gathered: torch.Tensor | None = _c10d.all_gather_into_tensor(
+            self.gathered: torch.Tensor | None = all_gather(
                 self.sent, first.world_size, first.group_name)
 
     def _wait(self) -> torch.Tensor:

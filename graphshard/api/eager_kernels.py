@@ -41,6 +41,7 @@ from graphshard.passes.markers import (
     reduce_op,
     replica_divide_factor,
 )
+from graphshard.safety.gloo_gather import all_gather
 
 _c10d = torch.ops._c10d_functional
 
@@ -50,7 +51,7 @@ def gather_full(local: torch.Tensor, layout: Dim0Layout, group_name: str) -> tor
     piece = gather_piece(eager, local, layout, rows_held(local.shape))
     if layout.world == 1:
         return full_from_gathered(eager, piece, layout).clone()
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(piece, layout.world, group_name))
+    gathered = _c10d.wait_tensor(all_gather(piece, layout.world, group_name))
     return full_from_gathered(eager, gathered, layout)
 
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -45,6 +44,7 @@ from torch.optim.optimizer import (
 
 from graphshard.api.local_inputs import same_view
 from graphshard.records import ShardedParam, ShardState
+from graphshard.safety.gloo_gather import all_gather, all_gather_single
 
 __all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending", "wait_issued"]
 
@@ -61,13 +61,6 @@ PER_PARAMETER: frozenset[type[torch.optim.Optimizer]] = frozenset({
 })
 
 _STATS: Counter[str] = Counter()
-
-# The all-gather into one tensor: ``dist.all_gather_single`` where torch has it (2.13 and 2.14
-# do, and warn that ``all_gather_into_tensor`` is deprecated), else (torch 2.11)
-# ``dist.all_gather_into_tensor``, the same collective under its older name.
-_all_gather_single: Callable[..., Any] = getattr(
-    dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def stats() -> dict[str, int]:
     """Counts since the last :func:`reset_stats`: ``issued`` (gathers the step issued),
@@ -226,7 +219,7 @@ def _gather(flat: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
     is an opaque op after which ``flat`` is dead, so it may write the next buffer into
     ``flat``'s storage before the wait (torch 2.14.1 does: the layers' bucket input is
     reused for the next bucket's input), and the gather would send that instead."""
-    return _c10d.all_gather_into_tensor(flat.clone(), group_size, group_name)
+    return all_gather(flat.clone(), group_size, group_name)
 
 
 def _drain(slot: _Slot) -> None:
@@ -320,7 +313,7 @@ def _issue(recipes: list[tuple[tuple[int, str], _Recipe]]) -> None:
         if old is not None:
             _drain(old)
         gathered = sent.new_empty(recipe.group_size * sent.numel())
-        work = _all_gather_single(gathered, sent, _resolve_process_group(
+        work = all_gather_single(gathered, sent, _resolve_process_group(
             recipe.group_name), async_op=True)
         _SLOTS[key] = _Slot(sent, gathered, work)
         _STATS["issued"] += 1

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from graphshard.errors import PlanMismatchError
 from graphshard.passes.markers import GradSync
 from graphshard.safety.fingerprint import READS_DIFFER, _skip
+from graphshard.safety.gloo_gather import all_gather
 
 __all__ = ["check_same_forward"]
 
@@ -85,7 +86,7 @@ def check_same_forward(state: Any, reads: list[tuple[str, bool]]) -> None:
     world = dist.get_world_size(group)
     device = state.mesh.device_type
     local = torch.tensor([_digest(summary)], dtype=torch.int64, device=device)
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group.group_name))
+    gathered = _c10d.wait_tensor(all_gather(local, world, group.group_name))
     if bool((gathered == gathered[0]).all()):
         return
     summaries: list[Any] = [None] * world

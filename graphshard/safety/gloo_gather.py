@@ -1,0 +1,64 @@
+"""The eager all-gather, and the gloo bug it steps around.
+
+``torch.ops._c10d_functional.all_gather_into_tensor`` runs on a process group's
+``allgather_into_tensor_coalesced``. On gloo that collective corrupts the heap when another
+collective of the same group is in flight (torch 2.11, 2.13 and 2.14.1: ``malloc():
+unaligned tcache chunk detected`` or ``free(): double free detected`` within a minute of
+gathers issued back to back on 2 ranks), while the group's single-tensor all-gather
+(``all_gather_single``, formerly ``_allgather_base``) does not, nor do two all-to-alls.
+graphshard's eager reads leave a bucket's gather in flight while the step goes on, and
+other collectives are then issued, so on gloo :func:`all_gather` issues the single-tensor
+collective and registers its work with the output, as the functional op does: the caller's
+``wait_tensor`` completes either. Other backends get the functional op.
+
+The compiled graphs still call the functional op (Inductor lowers it): docs/torch-versions.md
+says where that leaves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather", "all_gather_single"]
+
+_c10d = torch.ops._c10d_functional
+
+# The single-tensor all-gather: ``dist.all_gather_single`` where torch has it (2.13 and 2.14
+# do, and warn that ``all_gather_into_tensor`` is deprecated), else (torch 2.11)
+# ``dist.all_gather_into_tensor``, the same collective under its older name.
+all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of ``tensor`` over the group (rank-major along dim 0, as
+    ``_c10d_functional.all_gather_into_tensor``) and return its output, which
+    ``_c10d_functional.wait_tensor`` completes."""
+    group = _gloo_group(group_name, tensor.device) if tensor.dim() > 0 else None
+    if group is None:
+        return _c10d.all_gather_into_tensor(tensor, group_size, group_name)
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((group_size * tensor.shape[0], *tensor.shape[1:]))
+    work = all_gather_single(out, tensor, group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+def _gloo_group(group_name: str, device: torch.device) -> Any:
+    """The process group of ``group_name`` where gloo runs its collectives on ``device``,
+    else None (another backend, or no group this process can resolve)."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+    if gloo is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(group_name)
+        backend = group._get_backend(torch.device(device))
+    except (ValueError, RuntimeError, KeyError):
+        return None
+    return group if isinstance(backend, gloo) else None
