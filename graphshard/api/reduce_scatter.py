@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from graphshard.passes.layout import eager, sum_received
 from graphshard.passes.plan import use_all_to_all
+from graphshard.safety.gloo_gather import group_and_backend
 
 __all__ = ["group_backend", "reduce_scatter"]
 
@@ -30,15 +31,10 @@ def group_backend(group_name: str, device: torch.device) -> str | None:
     """The name of the backend that runs collectives of ``group_name`` on ``device``
     (``"gloo"``, ``"nccl"``, ...), or None where this process cannot tell (no process group,
     an unknown group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    found = group_and_backend(group_name, device)
+    if found is None:
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        group = _resolve_process_group(group_name)
-        backend = group._get_backend(torch.device(device))
-    except (ValueError, RuntimeError, KeyError):
-        return None
+    backend = found[1]
     gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
     if gloo is not None and isinstance(backend, gloo):
         return "gloo"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "all_gather_single"]
+__all__ = ["all_gather", "all_gather_single", "group_and_backend"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -48,17 +48,25 @@ def all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.
     return out
 
 
-def _gloo_group(group_name: str, device: torch.device) -> Any:
-    """The process group of ``group_name`` where gloo runs its collectives on ``device``,
-    else None (another backend, or no group this process can resolve)."""
-    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
-    if gloo is None or not (dist.is_available() and dist.is_initialized()):
+def group_and_backend(group_name: str, device: torch.device) -> tuple[Any, Any] | None:
+    """The process group of ``group_name`` and its backend for ``device``, or None where this
+    process cannot tell (no process group, an unknown group)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
         group = _resolve_process_group(group_name)
-        backend = group._get_backend(torch.device(device))
+        return group, group._get_backend(torch.device(device))
     except (ValueError, RuntimeError, KeyError):
         return None
-    return group if isinstance(backend, gloo) else None
+
+
+def _gloo_group(group_name: str, device: torch.device) -> Any:
+    """The process group of ``group_name`` where gloo runs its collectives on ``device``,
+    else None."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+    found = group_and_backend(group_name, device)
+    if gloo is None or found is None or not isinstance(found[1], gloo):
+        return None
+    return found[0]
