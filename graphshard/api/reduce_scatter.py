@@ -16,11 +16,10 @@ use :func:`reduce_scatter` so that both give the same numbers.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from graphshard.passes.layout import eager, sum_received
 from graphshard.passes.plan import use_all_to_all
-from graphshard.safety.gloo_gather import group_and_backend
+from graphshard.safety.gloo_gather import backend_name, group_and_backend
 
 __all__ = ["group_backend", "reduce_scatter"]
 
@@ -32,14 +31,7 @@ def group_backend(group_name: str, device: torch.device) -> str | None:
     (``"gloo"``, ``"nccl"``, ...), or None where this process cannot tell (no process group,
     an unknown group)."""
     found = group_and_backend(group_name, device)
-    if found is None:
-        return None
-    backend = found[1]
-    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
-    if gloo is not None and isinstance(backend, gloo):
-        return "gloo"
-    name = getattr(backend, "name", None)
-    return name() if callable(name) else None
+    return None if found is None else backend_name(found[1])
 
 
 def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "all_gather_single", "group_and_backend"]
+__all__ = ["all_gather", "all_gather_single", "backend_name", "group_and_backend"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -38,9 +38,10 @@ def all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.
     """Issue the all-gather of ``tensor`` over the group (rank-major along dim 0, as
     ``_c10d_functional.all_gather_into_tensor``) and return its output, which
     ``_c10d_functional.wait_tensor`` completes."""
-    group = _gloo_group(group_name, tensor.device) if tensor.dim() > 0 else None
-    if group is None:
+    found = group_and_backend(group_name, tensor.device) if tensor.dim() > 0 else None
+    if found is None or backend_name(found[1]) != "gloo":
         return _c10d.all_gather_into_tensor(tensor, group_size, group_name)
+    group = found[0]
     tensor = tensor.contiguous()
     out = tensor.new_empty((group_size * tensor.shape[0], *tensor.shape[1:]))
     work = all_gather_single(out, tensor, group=group, async_op=True)
@@ -62,11 +63,10 @@ def group_and_backend(group_name: str, device: torch.device) -> tuple[Any, Any] 
         return None
 
 
-def _gloo_group(group_name: str, device: torch.device) -> Any:
-    """The process group of ``group_name`` where gloo runs its collectives on ``device``,
-    else None."""
+def backend_name(backend: Any) -> str | None:
+    """``"gloo"``, ``"nccl"``, ... for a process group's backend; None where it has no name."""
     gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
-    found = group_and_backend(group_name, device)
-    if gloo is None or found is None or not isinstance(found[1], gloo):
-        return None
-    return found[0]
+    if gloo is not None and isinstance(backend, gloo):
+        return "gloo"
+    name = getattr(backend, "name", None)
+    return name() if callable(name) else None
