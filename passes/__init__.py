@@ -7,6 +7,7 @@ in one process and used offline on models far larger than the machine.
 from graphshard.passes.bucketing import assign_buckets
 from graphshard.passes.dedupe import dedupe_unshard
 from graphshard.passes.fold_views import fold_views
+from graphshard.passes.gloo_gathers import gloo_gathers
 from graphshard.passes.grad_copy_stream import grad_copy_stream
 from graphshard.passes.inline_regions import inline_unsupported_regions
 from graphshard.passes.layout import Dim0Layout
@@ -38,6 +39,7 @@ __all__ = [
     "dedupe_unshard",
     "Dim0Layout",
     "fold_views",
+    "gloo_gathers",
     "grad_copy_stream",
     "inline_unsupported_regions",
     "is_reduce_grad",

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphshardValueError, UnpricedSizeError
-from graphshard.passes.markers import TAKE_PREFETCHED
+from graphshard.passes.markers import ALL_GATHER_SINGLE, TAKE_PREFETCHED
 from graphshard.passes.regions import is_region_call, region_body
 
 __all__ = [
@@ -207,6 +207,8 @@ _COLLECTIVES = {
     # An all-gather the optimizer step may have issued early (``step_prefetch``): priced as
     # the all-gather it stands for, at its place in the forward.
     TAKE_PREFETCHED: "all_gather",
+    # gloo's all-gather (``graphshard.passes.gloo_gathers``): the same collective.
+    ALL_GATHER_SINGLE: "all_gather",
 }
 
 # Ops that only alias their input (or are bookkeeping) and move no bytes.

@@ -90,6 +90,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
         slots = {shard: slots[shard] for shard in stored[1]}
     tag = {"kind": "unshard", "bucket": bucket.index,
            "params": [marker_args(nodes[0]).name for nodes in slots.values()]}
+    backend = bucket.nodes[-1].meta.get("group_backend")  # recorded by the backend
     with (graph.inserting_before(_insert_point(graph, bucket)),
           make.provenance(bucket.nodes[0]), make.lowering("unshard", bucket.index)):
         if stored is not None:
@@ -103,7 +104,7 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
             ]
         gather = _gather_coalesced if coalesced and len(pieces) > 1 else _gather_flat
         fulls = gather(make, pieces, [layouts[shard] for shard in slots], first.world_size,
-                       first.group_name, tag)
+                       first.group_name, tag, backend)
     for nodes, full in zip(slots.values(), fulls, strict=True):
         for node in nodes:
             replace_and_erase(node, full)
@@ -135,13 +136,14 @@ def _bias_added_after_conv(graph: fx.Graph, make: NodeMaker, full: fx.Node) -> N
 
 
 def _gather_flat(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],
-                 world: int, group: str, tag: dict) -> list[fx.Node]:
+                 world: int, group: str, tag: dict, backend: str | None) -> list[fx.Node]:
     """One all-gather of the pieces concatenated (or of the bucket's storage, one piece that
     holds them all); each parameter rebuilt from its column of the rank-major
     ``[world, bucket_numel]`` result."""
     flat = pieces[0] if len(pieces) == 1 else make(aten.cat.default, pieces)
     gathered = make(c10d.all_gather_into_tensor.default, flat, world, group)
     gathered.meta["graphshard"] = tag
+    gathered.meta["group_backend"] = backend
     waited = make(c10d.wait_tensor.default, gathered)
     total = sum(layout.piece_numel for layout in layouts)
     matrix = waited if len(layouts) == 1 else make(aten.view.default, waited, [world, total])
@@ -154,11 +156,12 @@ def _gather_flat(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layou
 
 
 def _gather_coalesced(make: NodeMaker, pieces: list[fx.Node], layouts: list[Dim0Layout],
-                      world: int, group: str, tag: dict) -> list[fx.Node]:
+                      world: int, group: str, tag: dict, backend: str | None) -> list[fx.Node]:
     """One coalesced all-gather of the pieces as they are; each output is one parameter,
     padded (``world * rows`` rows), so the parameter is a view of it."""
     gathered = make(c10d.all_gather_into_tensor_coalesced.default, pieces, world, group)
     gathered.meta["graphshard"] = tag
+    gathered.meta["group_backend"] = backend
     return [
         full_from_gathered(
             make, make(c10d.wait_tensor.default, make(operator.getitem, gathered, i)), layout)

@@ -22,6 +22,7 @@ __all__ = [
     "UNSHARD",
     "REDUCE_GRAD",
     "TAKE_PREFETCHED",
+    "ALL_GATHER_SINGLE",
     "is_unshard",
     "is_reduce_grad",
     "is_collective_start",
@@ -82,6 +83,16 @@ _lib.define(
     "take_prefetched(Tensor flat, int group_size, str group_name, *, Tensor[] shards, "
     "int[] piece_numels, str key, str lead, Tensor[] peers, str[] peer_keys) -> Tensor"
 )
+# An all-gather on a gloo group (``graphshard.passes.gloo_gathers``): the arguments and result
+# of ``_c10d_functional.all_gather_into_tensor``, completed by the same ``wait_tensor``, but
+# issued as the group's single-tensor all-gather, which gloo runs safely beside another
+# collective in flight (its kernel: ``graphshard.safety.gloo_gather``). ``copy_input``: the
+# kernel sends a copy of ``input``, which the collective then owns, for an input the compiled
+# graph may overwrite before the wait (any intermediate buffer; not a graph input).
+_lib.define(
+    "all_gather_single(Tensor input, int group_size, str group_name, *, "
+    "bool copy_input=True) -> Tensor"
+)
 # ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
 # local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
 # ``out_device`` (CPU offload): the device type the reduced gradient is copied to, the host
@@ -116,6 +127,7 @@ def reshard_code(reshard_after_forward: bool | str) -> int:
 UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
 TAKE_PREFETCHED = torch.ops.graphshard.take_prefetched.default
+ALL_GATHER_SINGLE = torch.ops.graphshard.all_gather_single.default
 
 
 def reduce_op(dtype: torch.dtype, group_size: int,
@@ -162,6 +174,11 @@ def _take_prefetched_fake(flat, group_size, group_name, **kwargs):
     return flat.new_empty([flat.shape[0] * group_size, *flat.shape[1:]])
 
 
+@torch.library.register_fake("graphshard::all_gather_single")
+def _all_gather_single_fake(input, group_size, group_name, **kwargs):
+    return input.new_empty([input.shape[0] * group_size, *input.shape[1:]])
+
+
 def reduced_shape(m: ReduceGradArgs) -> tuple[int, ...]:
     """The shape ``reduce_grad`` returns: the reading rank's local shape for a final
     gradient, the padded piece for a partial one."""
@@ -182,12 +199,12 @@ def is_reduce_grad(node: fx.Node) -> bool:
 
 def is_collective_start(node: fx.Node) -> bool:
     """True for a node that starts a collective: a functional c10d op other than
-    ``wait_tensor``, or ``take_prefetched`` (the all-gather the optimizer step may have
-    issued already)."""
+    ``wait_tensor``, ``take_prefetched`` (the all-gather the optimizer step may have
+    issued already) or ``all_gather_single`` (gloo's all-gather)."""
     if node.op != "call_function":
         return False
     target = node.target
-    return target is TAKE_PREFETCHED or (
+    return target is TAKE_PREFETCHED or target is ALL_GATHER_SINGLE or (
         getattr(target, "namespace", None) == "_c10d_functional"
         and target is not torch.ops._c10d_functional.wait_tensor.default)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-from graphshard.passes.markers import TAKE_PREFETCHED
+from graphshard.passes.markers import ALL_GATHER_SINGLE, TAKE_PREFETCHED
 from graphshard.tools.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
 c10d = torch.ops._c10d_functional
@@ -26,13 +26,14 @@ REBUILD_OPS = {
 
 
 # A forward's leading all-gathers are ``take_prefetched`` (the all-gather, which the optimizer
-# step may have issued already: graphshard.passes.step_prefetch); ``calls`` counts them as one.
-_SAME_AS = {c10d.all_gather_into_tensor.default: (TAKE_PREFETCHED,)}
+# step may have issued already: graphshard.passes.step_prefetch), and a gloo group's are
+# ``all_gather_single`` (graphshard.passes.gloo_gathers); ``calls`` counts them as one.
+_SAME_AS = {c10d.all_gather_into_tensor.default: (TAKE_PREFETCHED, ALL_GATHER_SINGLE)}
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
     """The call_function nodes of ``gm`` with ``target``, in order (for the all-gather, its
-    ``take_prefetched`` form included)."""
+    ``take_prefetched`` and ``all_gather_single`` forms included)."""
     targets = (target, *_SAME_AS.get(target, ()))
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
@@ -74,6 +75,7 @@ def derived_before_matmul(node: fx.Node) -> set[fx.Node]:
 _SCHEDULE_TOKENS = {
     c10d.all_gather_into_tensor.default: "AG",
     TAKE_PREFETCHED: "AG",
+    ALL_GATHER_SINGLE: "AG",
     c10d.reduce_scatter_tensor.default: "RS",
     c10d.all_reduce.default: "AR",
 }

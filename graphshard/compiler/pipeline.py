@@ -19,20 +19,25 @@ Stages and their passes (each dumped before and after when a dump directory is s
   from the previous optimizer step), ``shard_copy_stream`` (on by default: offloaded
   shards go to the device on a copy stream, a bucket ahead), ``sizes_outside_regions`` (an
   op outside a block region that reads a size the region returned reads the graph's own
-  size input instead: Inductor cannot take the region's as a size);
+  size input instead: Inductor cannot take the region's as a size), ``gloo_gathers`` (on
+  gloo groups, each all-gather becomes the single-tensor one: gloo's coalesced one corrupts
+  the heap beside another collective in flight);
 - ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``,
-  ``shard_copy_stream``, ``sizes_outside_regions``;
+  ``shard_copy_stream``, ``sizes_outside_regions``, ``gloo_gathers``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
   last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
   ``grad_copy_stream`` (on by default: offloaded gradients go to the host on a copy
-  stream, waited for once), ``shard_copy_stream``, ``sizes_outside_regions``.
+  stream, waited for once), ``shard_copy_stream``, ``sizes_outside_regions``,
+  ``gloo_gathers``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import fx
 
@@ -43,6 +48,7 @@ from graphshard.passes import (
     assign_buckets,
     dedupe_unshard,
     fold_views,
+    gloo_gathers,
     grad_copy_stream,
     inline_unsupported_regions,
     lower_reduce_grad,
@@ -60,7 +66,7 @@ from graphshard.passes import (
     step_prefetch,
 )
 from graphshard.passes.cost_model import collective_group, collective_kind
-from graphshard.passes.markers import is_reduce_grad, marker_args
+from graphshard.passes.markers import is_reduce_grad, is_unshard, marker_args
 from graphshard.passes.runner import PassRunner
 
 __all__ = ["PIPELINE", "Pass", "run_passes", "record_group_facts"]
@@ -71,11 +77,12 @@ PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions],
     "joint": [rewire_region_passthrough, read_shared_region_outputs_once, fold_views,
               merge_reduce_grad, assign_buckets, reshard],
-    "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions],
+    "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions,
+           gloo_gathers],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream,
-                  sizes_outside_regions],
+                  sizes_outside_regions, gloo_gathers],
     "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
-           grad_copy_stream, shard_copy_stream, sizes_outside_regions],
+           grad_copy_stream, shard_copy_stream, sizes_outside_regions, gloo_gathers],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
@@ -88,6 +95,17 @@ def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
     return runner.run(stage, PIPELINE[stage], gm, plan)
 
 
+_FUNCTIONAL_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                       torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default)
+
+
+def _device_of(read: Any) -> torch.device | str:
+    """The device of a node's value (the first of a list's), ``"cpu"`` where it has none."""
+    node = read[0] if isinstance(read, (list, tuple)) and read else read
+    value = getattr(node, "meta", {}).get("val")
+    return value.device if isinstance(value, torch.Tensor) else "cpu"
+
+
 def record_group_facts(gm: fx.GraphModule) -> None:
     """Write down, on the nodes of ``gm``, what the passes need from the live process groups
     (the passes themselves never look at one):
@@ -97,7 +115,9 @@ def record_group_facts(gm: fx.GraphModule) -> None:
       price them;
     - ``node.meta["group_backend"]`` (``"gloo"``, ``"nccl"``, ...) on every ``reduce_grad``
       marker, so that ``lower_reduce_grad`` picks the reduce-scatter algorithm of the group
-      (``Plan.reduce_scatter_via="auto"``).
+      (``Plan.reduce_scatter_via="auto"``), and on every ``unshard`` marker and functional
+      all-gather, so that ``gloo_gathers`` finds the gathers of gloo groups (the lowering
+      passes a marker's on to the gather it becomes).
 
     Groups this process does not know are left alone."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -105,10 +125,13 @@ def record_group_facts(gm: fx.GraphModule) -> None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for node in gm.graph.nodes:
-        if is_reduce_grad(node):
+        if is_reduce_grad(node) or is_unshard(node):
             args = marker_args(node)
-            device = args.grad.meta["val"].device if "val" in args.grad.meta else "cpu"
-            node.meta["group_backend"] = group_backend(args.group_name, device)
+            read = args.grad if is_reduce_grad(node) else args.shard
+            node.meta["group_backend"] = group_backend(args.group_name, _device_of(read))
+            continue
+        if node.target in _FUNCTIONAL_GATHERS:  # DTensor's, in tensor-parallel graphs
+            node.meta["group_backend"] = group_backend(node.args[2], _device_of(node.args[0]))
             continue
         if collective_kind(node) not in ("all_reduce", "all_to_all"):
             continue

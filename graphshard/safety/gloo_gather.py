@@ -11,8 +11,10 @@ other collectives are then issued, so on gloo :func:`all_gather` issues the sing
 collective and registers its work with the output, as the functional op does: the caller's
 ``wait_tensor`` completes either. Other backends get the functional op.
 
-The compiled graphs still call the functional op (Inductor lowers it): docs/torch-versions.md
-says where that leaves them.
+The compiled graphs' gathers on gloo groups are ``graphshard::all_gather_single`` nodes
+(``graphshard.passes.gloo_gathers``), whose kernel, here, is :func:`all_gather` of a copy of
+the input where the graph may overwrite it before the wait. torch's own gathers (DTensor's
+``full_tensor``, the state-dict helpers) still use the functional op: docs/torch-versions.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+import graphshard.passes.markers  # noqa: F401  (defines graphshard::all_gather_single)
 
 __all__ = ["all_gather", "all_gather_single", "backend_name", "group_and_backend"]
 
@@ -70,3 +74,13 @@ def backend_name(backend: Any) -> str | None:
         return "gloo"
     name = getattr(backend, "name", None)
     return name() if callable(name) else None
+
+
+def _all_gather_single(input: torch.Tensor, group_size: int, group_name: str, *,
+                       copy_input: bool = True) -> torch.Tensor:
+    """The kernel of ``graphshard::all_gather_single``: the collective owns the copy it
+    sends, so the compiled graph may reuse ``input``'s buffer before the wait."""
+    return all_gather(input.clone() if copy_input else input, group_size, group_name)
+
+
+torch.library.register_kernel("graphshard::all_gather_single", None, _all_gather_single)
