@@ -11,6 +11,7 @@ from dist_utils import full_state
 from torch import nn
 
 import graphshard
+from graphshard.passes.markers import ALL_GATHER_SINGLE
 
 STEPS = 6
 
@@ -87,8 +88,9 @@ def train(rank: int, reshard: bool | str, options: dict) -> dict:
         opt.step()
     stages = backend.graphs[-1]
     c10d = torch.ops._c10d_functional
+    gathers = (c10d.all_gather_into_tensor.default, ALL_GATHER_SINGLE)  # the latter on gloo
     bw_gathers = [n.meta["graphshard"]["bucket"] for n in stages["bw"].graph.nodes
-                  if n.target is c10d.all_gather_into_tensor.default]
+                  if n.target in gathers]
     choice = reshard_choice(stages["joint"])
     return {
         "losses": losses,

@@ -195,9 +195,9 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    collectives = {stage: sorted({
+    collectives = {stage: sorted(  # one entry per collective of every graph compiled
         str(node.target) for stages in backend.graphs if stage in stages
-        for node in stages[stage].graph.nodes if is_collective_start(node)})
+        for node in stages[stage].graph.nodes if is_collective_start(node))
         for stage in ("fw", "bw")}
     return {"losses": losses, "state": full_state(model), "bw_collectives": collectives["bw"],
             "fw_collectives": collectives["fw"]}
