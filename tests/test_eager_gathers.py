@@ -64,7 +64,7 @@ class Twice(nn.Module):
 class Collectives(TorchDispatchMode):
     """Counts the eager all-gathers (``graphshard::unshard``, one each at world 2, and a
     bucket's, ``api.bucket_gathers``) and gradient reductions (``graphshard::reduce_grad``,
-    one reduce-scatter each, and a bucket's reads', ``eager_kernels.read_bucket``)
+    one reduce-scatter each, and a bucket's reads', ``bucket_reads.read_bucket``)
     dispatched while it is active; the collectives inside the markers run below the mode."""
 
     def __init__(self) -> None:
@@ -401,3 +401,74 @@ def test_a_gather_issued_ahead_is_read_once(fake2):
     with pytest.raises(GraphshardRuntimeError, match="read after it was waited for"):
         pending.copies()
     pending.drop()  # dropping one already waited for is fine
+
+
+class Reductions(TorchDispatchMode):
+    """Logs, into ``log``, each reduce-scatter of a bucket's gradients as it is issued
+    (``R0``, ``R1``, ... in the order issued) and the wait that finishes it (``r0``, ...);
+    the blocks' hooks log their backward (``b0``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.issued: dict[int, int] = {}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _REDUCE_SCATTERS:
+            self.issued[id(out)] = self.count
+            self.log.append(f"R{self.count}")
+            self.count += 1
+        elif func is torch.ops._c10d_functional.wait_tensor.default and id(args[0]) in self.issued:
+            self.log.append(f"r{self.issued.pop(id(args[0]))}")
+        return out
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_each_buckets_reduction_is_finished_under_the_next_buckets_backward(fake2, reshard):
+    """From the second step on (the first learns the order of the buckets), a bucket's
+    reduce-scatter is waited for in the backward of the bucket read before it, after that
+    bucket's compute and the issue of its own reduction: ``R0`` runs under block 2's
+    backward. The first bucket, which nothing precedes, waits for its own. The first step
+    waits for each where it is issued."""
+    log: list[str] = []
+    model = _blocks_logged(reshard, log)
+    hooked: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hooked.append(name))
+    for step in range(3):
+        log.clear()
+        hooked.clear()
+        loss = model(torch.randn(3, 8, requires_grad=True)).sum()
+        with Reductions(log):
+            loss.backward()
+        backward = " ".join(e for e in log if e[0] in "bRr")
+        if step == 0:
+            assert backward == "b3 R0 r0 b2 R1 r1 b1 R2 r2 b0 R3 r3"
+        else:
+            assert backward == "b3 R0 b2 R1 r0 b1 R2 r1 b0 R3 r2 r3"
+        assert sorted(hooked) == sorted(n for n, _ in model.named_parameters())
+        assert shard_state(model).bucket_relay is None
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_a_bucket_whose_copies_get_no_gradient_still_finishes_the_next_ones(fake2):
+    """Block 0's output is left out of the loss, so no gradient reaches its copies; its
+    backward still runs (the relay's token), and block 1's gradients arrive."""
+    model = graphshard.shard(Blocks())
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        model.blocks[0](x)  # read, then unused
+        h = x
+        for block in model.blocks[1:]:
+            h = block(h)
+        return h.sum()
+
+    for _ in range(2):  # the first forward learns the order; the second relays
+        loss_of(torch.randn(3, 8)).backward()
+        assert [p.grad is None for p in model.blocks[0].parameters()] == [True, True]
+        assert all(p.grad is not None for b in model.blocks[1:] for p in b.parameters())
+        for p in model.parameters():
+            p.grad = None

@@ -15,8 +15,8 @@ wait in ``state.bucket_stash`` for their reads, and each read takes its own
 
 - The reads that train with nothing held back (gradient sync on, no ``no_sync`` gradient to
   fold in, no tensor-parallel re-wrap) take outputs of one autograd node
-  (:func:`graphshard.api.eager_kernels.read_bucket`), whose backward reduce-scatters their
-  gradients in one collective.
+  (:func:`graphshard.api.bucket_reads.read_bucket`), whose backward reduce-scatters their
+  gradients in one collective, finished under the backward of the bucket read before.
 - Any other read gets ``unshard``'s autograd for its copy
   (:func:`graphshard.api.eager_kernels.from_gathered`): one reduction each, as before.
 
@@ -46,7 +46,7 @@ from collections.abc import Collection
 import torch
 from torch.distributed.tensor import DTensor
 
-from graphshard.api.eager_kernels import local_of, read_bucket
+from graphshard.api.bucket_reads import Relay, read_bucket
 from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.layout import (
     Dim0Layout,
@@ -107,12 +107,30 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     reads, fulls = pending.reads, pending.copies()
     trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
     if len(trained) > 1:  # their gradients are reduced together too
+        members = [reads[i][0] for i in trained]
+        relay = state.bucket_relay
+        taken = relay if relay is not None and relay.expects(members) else None
+        handed = _relay_to_next(state, entry.bucket) if whole else None
         outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
-                              [local_of(reads[i][0].param) for i in trained])
+                              [e.param for e in members], taken, handed)
+        state.bucket_relay = handed
         for i, output in zip(trained, outputs, strict=True):
             fulls[i] = output
     for (e, _), full, (local, versions) in zip(reads, fulls, pending.shards, strict=True):
         state.bucket_stash[id(e)] = (full, local, versions)
+
+
+def _relay_to_next(state: ShardState, bucket: int) -> Relay | None:
+    """The relay from ``bucket``'s reads that train to those of the bucket the last complete
+    forward gathered after it, which its backward finishes reducing
+    (:mod:`graphshard.api.bucket_reads`); None where no such bucket is known."""
+    after = state.bucket_next.get(bucket)
+    if after is None:
+        return None
+    following, key = after
+    members = [e for e, spec in state.bucket_members.get(following, ())
+               if travels_as(e, spec) == key and _reads_together(state, e)]
+    return Relay(members) if len(members) > 1 else None
 
 
 def _prefetch_next(state: ShardState, bucket: int) -> None:
@@ -204,7 +222,7 @@ def _reads_together(state: ShardState, entry: ShardedParam) -> bool:
 def take_gathered(state: ShardState, entry: ShardedParam) -> tuple[torch.Tensor, bool] | None:
     """The copy of ``entry``'s parameter its bucket's gather left for this read, and whether
     it carries its autograd already (one of the bucket's reads that train,
-    :func:`graphshard.api.eager_kernels.read_bucket`); None when none is left, or its shard
+    :func:`graphshard.api.bucket_reads.read_bucket`); None when none is left, or its shard
     changed since (then it is gathered on its own)."""
     if not state.bucket_stash:
         return None
@@ -231,6 +249,9 @@ def end_forward(state: ShardState, completed: bool = True) -> None:
     prefetch in."""
     state.buckets_gathered.clear()
     state.bucket_stash.clear()
+    if state.bucket_relay is not None:  # a relay no read took: nothing to finish
+        state.bucket_relay.token = None
+        state.bucket_relay = None
     for pending in state.bucket_prefetched.values():
         pending.drop()
     state.bucket_prefetched.clear()

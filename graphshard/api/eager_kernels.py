@@ -15,12 +15,12 @@ accumulates it and the optimizer reads it).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor._api import _ToTorchTensor
 
 from graphshard.api import copy_streams  # noqa: F401  (the copies' kernels)
-from graphshard.api.reduce_scatter import reduce_scatter
+from graphshard.api.reduce_scatter import issue_reduce_scatter
 from graphshard.errors import GraphshardRuntimeError
 from graphshard.passes.host_copy import TO_HOST
 from graphshard.passes.layout import (
@@ -65,15 +65,32 @@ def _unshard_eager(shard, full_shape, *args, **kwargs):
     return gather_full(local, Dim0Layout(full_shape, m.world_size), m.group_name)
 
 
-def _reduce(tensor: torch.Tensor, kind: str, group_size: int, group_name: str,
-            divide_factor: float | None = None) -> torch.Tensor:
+def issue_reduce_scatter_of(tensor: torch.Tensor, group_size: int, group_name: str,
+                            divide_factor: float | None = None) -> Callable[[], torch.Tensor]:
+    """Issue the reduce-scatter that ``reduce_grad`` makes of the rank-major ``tensor`` (the
+    average over the group, or the sum divided by ``divide_factor``); return the function
+    that waits for it and returns this rank's piece (gloo's runs as an all-to-all, as the
+    compiled path's does)."""
+    op, factor = reduce_op(tensor.dtype, group_size, divide_factor)
+    if group_size == 1:
+        out = tensor * factor if divide_factor is not None else tensor.clone()
+        return lambda: out
+    if factor != 1.0:
+        tensor = tensor * factor
+    return issue_reduce_scatter(tensor, op, group_size, group_name)
+
+
+def reduce_over_group(tensor: torch.Tensor, kind: str, group_size: int, group_name: str,
+                      divide_factor: float | None = None) -> torch.Tensor:
+    """``tensor`` reduced over the group as ``reduce_grad`` reduces: ``kind``
+    ``"reduce_scatter"`` (this rank's piece) or ``"all_reduce"``, waited for."""
+    if kind == "reduce_scatter":
+        return issue_reduce_scatter_of(tensor, group_size, group_name, divide_factor)()
     op, factor = reduce_op(tensor.dtype, group_size, divide_factor)
     if group_size == 1:
         return tensor * factor if divide_factor is not None else tensor.clone()
     if factor != 1.0:
         tensor = tensor * factor
-    if kind == "reduce_scatter":  # gloo's as an all-to-all, as the compiled path does it
-        return reduce_scatter(tensor, op, group_size, group_name)
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
 
 
@@ -85,13 +102,13 @@ def _reduce_grad_eager(grad, *args, **kwargs):
     if m.pending_full is not None:
         grad = grad + m.pending_full
     matrix = rank_major(eager, grad, layout)
-    out = _reduce(matrix.view(-1), "reduce_scatter", m.world_size, m.group_name,
-                  m.divide_factor)
+    out = reduce_over_group(matrix.view(-1), "reduce_scatter", m.world_size, m.group_name,
+                            m.divide_factor)
     if m.pending_partial is not None:
         out = out + m.pending_partial.reshape(out.shape)
     if m.all_reduce and m.replica_size > 1:
-        out = _reduce(out, "all_reduce", m.replica_size, m.replica_group,
-                      replica_divide_factor(m.divide_factor))
+        out = reduce_over_group(out, "all_reduce", m.replica_size, m.replica_group,
+                                replica_divide_factor(m.divide_factor))
     if m.out_dtype is not None:
         out = out.to(m.out_dtype)
     if m.out_device:  # CPU offload: the reduced pieces go back to the host shard (pinned)
@@ -125,7 +142,7 @@ def _to_local_keeps_history() -> bool:
     return "from_local" in _api._ToTorchTensor.backward.__code__.co_names
 
 
-def _unshard_backward(ctx, grad):
+def unshard_backward(ctx, grad):
     """Where the gradient goes depends on ``sync``: the shard (reduced), or the accumulator."""
     if torch.is_grad_enabled() and not _to_local_keeps_history():
         raise GraphshardRuntimeError(
@@ -154,7 +171,7 @@ def _unshard_backward(ctx, grad):
 
 
 torch.library.register_autograd(
-    "graphshard::unshard", _unshard_backward, setup_context=_unshard_setup
+    "graphshard::unshard", unshard_backward, setup_context=_unshard_setup
 )
 
 
@@ -172,111 +189,13 @@ class _FromGathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, *_unshard_backward(ctx, grad))
+        return (None, *unshard_backward(ctx, grad))
 
 
 def from_gathered(full: torch.Tensor, *unshard_inputs) -> torch.Tensor:
     """``UNSHARD(*unshard_inputs)`` given the gathered ``full`` (eagerly): the same output and
     the same gradients, without a collective."""
     return _FromGathered.apply(full, *unshard_inputs)
-
-
-class _BucketReads(torch.autograd.Function):
-    """The reads that train of a bucket's parameters, gathered as one: each output is one
-    parameter's copy, and the backward, which autograd runs once every output's gradient is
-    in, reduce-scatters them in one collective (all-reduced across replicas in one more).
-    The arithmetic is ``reduce_grad``'s for each parameter (a gradient-synchronising read
-    with nothing held back); an output whose gradient is None (not used) is left out, as its
-    own ``unshard`` backward would not have run."""
-
-    @staticmethod
-    def forward(ctx, specs, fulls, *shards):
-        ctx.set_materialize_grads(False)
-        ctx.specs = specs
-        ctx.shards = [(s.dtype, rows_held(s.shape), s.device.type) for s in shards]
-        return tuple(full.view_as(full) for full in fulls)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        reduced: list = [None] * len(grads)
-        present = [i for i, grad in enumerate(grads) if grad is not None]
-        if torch.is_grad_enabled():  # create_graph: each through reduce_grad's own autograd
-            for i in present:
-                reduced[i] = _unshard_backward(_MemberContext(ctx, i), grads[i])[0]
-        elif present:
-            for i, grad in zip(present, _reduce_together(ctx, present, grads), strict=True):
-                reduced[i] = grad
-        return (None, None, *reduced)
-
-
-class _MemberContext:
-    """What :func:`_unshard_backward` reads of its context, for one of a bucket's reads."""
-
-    def __init__(self, ctx, i: int) -> None:
-        self.marker = UnshardArgs(None, *ctx.specs[i], GradSync.FULL)
-        self.shard_dtype, self.local_rows, self.shard_device = ctx.shards[i]
-
-
-def _reduce_together(ctx, present: list[int], grads: tuple) -> list[torch.Tensor]:
-    """``reduce_grad`` (final, nothing pending) of each gradient in ``present``, in one
-    reduce-scatter of their rank-major matrices side by side."""
-    first = ctx.specs[present[0]]
-    layouts, matrices = [], []
-    for i in present:
-        spec, grad = ctx.specs[i], grads[i]
-        layout = Dim0Layout(grad.shape, spec.world_size)
-        if spec.reduce_dtype is not None:
-            grad = grad.to(spec.reduce_dtype)
-        layouts.append(layout)
-        matrices.append(rank_major(eager, grad, layout))
-    joined = matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
-    out = _reduce(joined.view(-1), "reduce_scatter", first.world_size, first.group_name,
-                  first.divide_factor)
-    if first.replica_size > 1:
-        out = _reduce(out, "all_reduce", first.replica_size, first.replica_group,
-                      replica_divide_factor(first.divide_factor))
-    results, offset = [], 0
-    for i, layout in zip(present, layouts, strict=True):
-        spec = ctx.specs[i]
-        shard_dtype, local_rows, shard_device = ctx.shards[i]
-        piece = out[offset:offset + layout.piece_numel].to(shard_dtype)
-        offset += layout.piece_numel
-        if spec.compute_device:  # CPU offload: the reduced piece goes back to the host
-            piece = TO_HOST(piece)
-        results.append(local_from_reduced(eager, piece, layout, local_rows))
-    return results
-
-
-class _ToLocalKeepingNone(_ToTorchTensor):
-    """``DTensor.to_local()`` whose backward passes an absent gradient on as absent. torch
-    2.11's materialises it as zeros, so a parameter of a bucket that no read took would get
-    a zero ``.grad`` where one process leaves it None (and AdamW's weight decay then moves
-    it); torch 2.13's already passes None on."""
-
-    @staticmethod
-    def forward(ctx, input, grad_placements):
-        ctx.set_materialize_grads(False)
-        return _ToTorchTensor.forward(ctx, input, grad_placements)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        if grad_output is None:
-            return None, None
-        return _ToTorchTensor.backward(ctx, grad_output)
-
-
-def local_of(param: torch.Tensor) -> torch.Tensor:
-    """``param.to_local()`` for :func:`read_bucket`: a parameter no read used gets no
-    gradient, on every torch version."""
-    return _ToLocalKeepingNone.apply(param, None)
-
-
-def read_bucket(specs: list, fulls: list[torch.Tensor], shards: list[torch.Tensor]
-                ) -> tuple[torch.Tensor, ...]:
-    """The reads that train of a bucket's parameters (``shards``, each read as its
-    ``UnshardSpec`` in ``specs`` with gradient sync and nothing held back), given their
-    gathered copies ``fulls``: the copies, whose gradients are reduced in one collective."""
-    return _BucketReads.apply(specs, fulls, *shards)
 
 
 _PENDING_FULL = ReduceGradArgs._fields.index("pending_full")
@@ -329,4 +248,5 @@ torch.library.register_autograd(
     "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "local_of", "read_bucket"]
+__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "issue_reduce_scatter_of",
+           "reduce_over_group", "unshard_backward"]

@@ -215,7 +215,7 @@ def gathered_param(module: nn.Module, pname: str, state: ShardState | None = Non
         taken = take_gathered(state, entry)
         if taken is not None:
             full, with_autograd = taken
-            if with_autograd:  # read with its bucket's (api.eager_kernels.read_bucket)
+            if with_autograd:  # read with its bucket's (api.bucket_reads.read_bucket)
                 return full if torch.is_grad_enabled() else full.detach()
             return read_param(shard, entry, spec, state.sync,
                               functools.partial(from_gathered, full))

@@ -15,13 +15,15 @@ use :func:`reduce_scatter` so that both give the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from graphshard.passes.layout import eager, sum_received
 from graphshard.passes.plan import use_all_to_all
 from graphshard.safety.gloo_gather import backend_name, group_and_backend
 
-__all__ = ["group_backend", "reduce_scatter"]
+__all__ = ["group_backend", "issue_reduce_scatter", "reduce_scatter"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -34,14 +36,28 @@ def group_backend(group_name: str, device: torch.device) -> str | None:
     return None if found is None else backend_name(found[1])
 
 
-def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str) -> torch.Tensor:
-    """This rank's 1/``group_size`` of ``flat`` reduced (``op``: ``"sum"`` or ``"avg"``) over
-    the group, with the algorithm ``"auto"`` picks for the group's backend."""
+def issue_reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str
+                         ) -> Callable[[], torch.Tensor]:
+    """Issue the reduce-scatter of :func:`reduce_scatter` and return what finishes it: a
+    function that waits for the collective and returns this rank's reduced piece. Between
+    the two the collective runs beside whatever the caller does (on gloo in its worker
+    thread, on NCCL on its stream)."""
     flat = flat.contiguous()
     if use_all_to_all("auto", group_backend(group_name, flat.device)):
         piece = flat.numel() // group_size
         splits = [piece] * group_size
-        pieces = _c10d.wait_tensor(_c10d.all_to_all_single(flat, splits, splits, group_name))
-        return sum_received(eager, pieces, group_size, average=op == "avg")
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, op, group_size, group_name))
+        received = _c10d.all_to_all_single(flat, splits, splits, group_name)
 
+        def summed() -> torch.Tensor:
+            pieces = _c10d.wait_tensor(received)
+            return sum_received(eager, pieces, group_size, average=op == "avg")
+
+        return summed
+    reduced = _c10d.reduce_scatter_tensor(flat, op, group_size, group_name)
+    return lambda: _c10d.wait_tensor(reduced)
+
+
+def reduce_scatter(flat: torch.Tensor, op: str, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's 1/``group_size`` of ``flat`` reduced (``op``: ``"sum"`` or ``"avg"``) over
+    the group, with the algorithm ``"auto"`` picks for the group's backend."""
+    return issue_reduce_scatter(flat, op, group_size, group_name)()

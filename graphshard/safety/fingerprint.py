@@ -84,7 +84,7 @@ _STATE_SKIP = {"group", "rank", "params", "world_size", "reshard_after_forward",
                "bucket_members", "bucket_stash", "buckets_gathered", "reshard_copies",
                "resharded_live", "regathered", "regathered_clear_queued", "root_resharding",
                "reshard_kept", "bucket_prefetched", "bucket_order_now", "bucket_next",
-               "regather_pending"}
+               "bucket_relay", "regather_pending"}
 
 
 def shard_fingerprint(state: Any) -> dict[str, str]:
