@@ -136,8 +136,11 @@ def _issue_reduction(specs: list, shards: list, present: list[int], grads: tuple
     wait = issue_reduce_scatter_of(joined.view(-1), first.world_size, first.group_name,
                                    first.divide_factor)
 
+    sent = [joined]  # held until the collective is waited for (whatever the backend keeps)
+
     def finish() -> list:
         out = wait()
+        sent.clear()
         if first.replica_size > 1:
             out = reduce_over_group(out, "all_reduce", first.replica_size, first.replica_group,
                              replica_divide_factor(first.divide_factor))
