@@ -36,7 +36,7 @@ import torch
 from torch.distributed.tensor._api import _ToTorchTensor
 
 from graphshard.api.eager_kernels import (
-    issue_reduce_scatter_of,
+    issue_reduction,
     reduce_over_group,
     unshard_backward,
 )
@@ -133,8 +133,8 @@ def _issue_reduction(specs: list, shards: list, present: list[int], grads: tuple
         layouts.append(layout)
         matrices.append(rank_major(eager, grad, layout))
     joined = matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)
-    wait = issue_reduce_scatter_of(joined.view(-1), first.world_size, first.group_name,
-                                   first.divide_factor)
+    wait = issue_reduction(joined.view(-1), "reduce_scatter", first.world_size,
+                           first.group_name, first.divide_factor)
 
     sent = [joined]  # held until the collective is waited for (whatever the backend keeps)
 

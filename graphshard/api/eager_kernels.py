@@ -65,33 +65,28 @@ def _unshard_eager(shard, full_shape, *args, **kwargs):
     return gather_full(local, Dim0Layout(full_shape, m.world_size), m.group_name)
 
 
-def issue_reduce_scatter_of(tensor: torch.Tensor, group_size: int, group_name: str,
-                            divide_factor: float | None = None) -> Callable[[], torch.Tensor]:
-    """Issue the reduce-scatter that ``reduce_grad`` makes of the rank-major ``tensor`` (the
-    average over the group, or the sum divided by ``divide_factor``); return the function
-    that waits for it and returns this rank's piece (gloo's runs as an all-to-all, as the
-    compiled path's does)."""
+def issue_reduction(tensor: torch.Tensor, kind: str, group_size: int, group_name: str,
+                    divide_factor: float | None = None) -> Callable[[], torch.Tensor]:
+    """Issue the reduction ``reduce_grad`` makes of ``tensor`` over the group (the average,
+    or the sum divided by ``divide_factor``): ``kind`` ``"reduce_scatter"`` of the rank-major
+    tensor (gloo's as an all-to-all, as the compiled path's) or ``"all_reduce"``. Returns
+    the function that waits for it and returns the result (this rank's piece)."""
     op, factor = reduce_op(tensor.dtype, group_size, divide_factor)
     if group_size == 1:
         out = tensor * factor if divide_factor is not None else tensor.clone()
         return lambda: out
     if factor != 1.0:
         tensor = tensor * factor
-    return issue_reduce_scatter(tensor, op, group_size, group_name)
+    if kind == "reduce_scatter":
+        return issue_reduce_scatter(tensor, op, group_size, group_name)
+    reduced = _c10d.all_reduce(tensor.contiguous(), op, group_name)
+    return lambda: _c10d.wait_tensor(reduced)
 
 
 def reduce_over_group(tensor: torch.Tensor, kind: str, group_size: int, group_name: str,
                       divide_factor: float | None = None) -> torch.Tensor:
-    """``tensor`` reduced over the group as ``reduce_grad`` reduces: ``kind``
-    ``"reduce_scatter"`` (this rank's piece) or ``"all_reduce"``, waited for."""
-    if kind == "reduce_scatter":
-        return issue_reduce_scatter_of(tensor, group_size, group_name, divide_factor)()
-    op, factor = reduce_op(tensor.dtype, group_size, divide_factor)
-    if group_size == 1:
-        return tensor * factor if divide_factor is not None else tensor.clone()
-    if factor != 1.0:
-        tensor = tensor * factor
-    return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
+    """:func:`issue_reduction`, waited for."""
+    return issue_reduction(tensor, kind, group_size, group_name, divide_factor)()
 
 
 def _reduce_grad_eager(grad, *args, **kwargs):
@@ -248,5 +243,5 @@ torch.library.register_autograd(
     "graphshard::reduce_grad", _reduce_grad_backward, setup_context=_reduce_grad_setup
 )
 
-__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "issue_reduce_scatter_of",
+__all__ = ["UNSHARD", "REDUCE_GRAD", "from_gathered", "gather_full", "issue_reduction",
            "reduce_over_group", "unshard_backward"]
