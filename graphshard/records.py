@@ -108,7 +108,8 @@ class ShardState:
     bucket_order_now: list = field(default_factory=list)
     bucket_next: dict = field(default_factory=dict)
     # the relay from the running forward's last bucket read that trains to the next one,
-    # which finishes the next one's reduction in its backward (graphshard.api.bucket_reads)
+    # which finishes the next one's reduction in its backward, and that read's token
+    # (graphshard.api.bucket_reads)
     bucket_relay: Any = None
     # reshard_after_forward=True eagerly (graphshard.api.eager_reshard): while an eager forward
     # runs, its gathered copies by storage (else None); handles alive per (forward, record);

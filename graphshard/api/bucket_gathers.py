@@ -108,12 +108,13 @@ def gather_bucket(state: ShardState, entry: ShardedParam,
     trained = [i for i, (e, _) in enumerate(reads) if _reads_together(state, e)]
     if len(trained) > 1:  # their gradients are reduced together too
         members = [reads[i][0] for i in trained]
-        relay = state.bucket_relay
-        taken = relay if relay is not None and relay.expects(members) else None
+        relay = state.bucket_relay  # (the relay, the token of the read that made it)
+        taken = relay if relay is not None and relay[0].expects(members) else None
         handed = _relay_to_next(state, entry.bucket) if whole else None
-        outputs = read_bucket([reads[i][1] for i in trained], [fulls[i] for i in trained],
-                              [e.param for e in members], taken, handed)
-        state.bucket_relay = handed
+        outputs, token = read_bucket([reads[i][1] for i in trained],
+                                     [fulls[i] for i in trained],
+                                     [e.param for e in members], taken, handed)
+        state.bucket_relay = None if handed is None else (handed, token)
         for i, output in zip(trained, outputs, strict=True):
             fulls[i] = output
     for (e, _), full, (local, versions) in zip(reads, fulls, pending.shards, strict=True):
@@ -249,9 +250,7 @@ def end_forward(state: ShardState, completed: bool = True) -> None:
     prefetch in."""
     state.buckets_gathered.clear()
     state.bucket_stash.clear()
-    if state.bucket_relay is not None:  # a relay no read took: nothing to finish
-        state.bucket_relay.token = None
-        state.bucket_relay = None
+    state.bucket_relay = None  # a relay no read took: nothing to finish
     for pending in state.bucket_prefetched.values():
         pending.drop()
     state.bucket_prefetched.clear()

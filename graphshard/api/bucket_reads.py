@@ -49,20 +49,26 @@ __all__ = ["Relay", "local_of", "read_bucket"]
 
 class Relay:
     """Between two consecutive bucket reads of one forward: the parameter records of the later
-    bucket the earlier read will return gradients for (``members``), the earlier read's token
-    until the later read takes it, and the later bucket's reduction once its backward has
-    issued it (``pending``, a function that waits and returns the gradients)."""
+    bucket the earlier read will return gradients for (``members``), whether a later read
+    took it, and the later bucket's reduction once its backward has issued it (``pending``,
+    a function that waits and returns the gradients).
 
-    __slots__ = ("members", "token", "pending")
+    It holds no tensor: the earlier read's context holds the relay, and a tensor here whose
+    autograd node is that read would close a reference cycle through autograd's graph,
+    which Python's garbage collector then breaks from the tensor's side. The token travels
+    beside it (:func:`read_bucket`)."""
+
+    __slots__ = ("members", "taken", "pending")
 
     def __init__(self, members: list) -> None:
         self.members = members
-        self.token: torch.Tensor | None = None
+        self.taken = False
         self.pending: Callable[[], list] | None = None
 
     def expects(self, members: list) -> bool:
-        """Whether ``members`` (records, in order) are the ones this relay was made for."""
-        return (self.token is not None and len(members) == len(self.members)
+        """Whether ``members`` (records, in order) are the ones this relay was made for, and
+        no read took it yet."""
+        return (not self.taken and len(members) == len(self.members)
                 and all(a is b for a, b in zip(members, self.members, strict=True)))
 
 
@@ -78,7 +84,7 @@ class _BucketReads(torch.autograd.Function):
                 *shards):
         ctx.set_materialize_grads(False)
         ctx.specs, ctx.taken, ctx.handed = specs, taken, handed
-        ctx.token = None if token is None else (token.dtype, token.device)
+        ctx.token = None if token is None else (token.dtype, token.device)  # not the tensor
         ctx.shards = [(s.dtype, rows_held(s.shape), s.device.type) for s in shards[:len(specs)]]
         new_token = fulls[0].new_empty(0)
         return (*(full.view_as(full) for full in fulls), new_token)
@@ -183,19 +189,18 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 
 def read_bucket(specs: list, fulls: list[torch.Tensor], params: list[torch.Tensor],
-                taken: Relay | None = None, handed: Relay | None = None
-                ) -> tuple[torch.Tensor, ...]:
+                taken: tuple[Relay, torch.Tensor] | None = None, handed: Relay | None = None
+                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The reads that train of a bucket's parameters (``params``, each read as its
     ``UnshardSpec`` in ``specs`` with gradient sync and nothing held back), given their
-    gathered copies ``fulls``: the copies, whose gradients are reduced in one collective.
-    ``taken``: the relay of the read before, expecting this bucket (its token is taken);
-    ``handed``: a new relay to the bucket expected next, whose token this read sets."""
-    token = None
-    if taken is not None:
-        token, taken.token = taken.token, None
+    gathered copies ``fulls``: the copies, whose gradients are reduced in one collective,
+    and this read's token. ``taken``: the relay of the read before, which expects this
+    bucket, with that read's token; ``handed``: a new relay to the bucket expected next,
+    for which the returned token is meant."""
+    relay, token = taken if taken is not None else (None, None)
+    if relay is not None:
+        relay.taken = True
     later = [] if handed is None else [local_of(e.param) for e in handed.members]
-    outputs = _BucketReads.apply(specs, fulls, taken, handed, token,
+    outputs = _BucketReads.apply(specs, fulls, relay, handed, token,
                                  *(local_of(p) for p in params), *later)
-    if handed is not None:
-        handed.token = outputs[-1]
-    return outputs[:-1]
+    return outputs[:-1], outputs[-1]
