@@ -30,8 +30,7 @@ from graphshard.passes.plan import Plan
 __all__ = ["gloo_gathers"]
 
 _FUNCTIONAL = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default)
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default,
-          aten.reshape.default)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
 
 
 def gloo_gathers(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
