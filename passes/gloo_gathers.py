@@ -27,9 +27,11 @@ from graphshard.passes.fx_util import NodeMaker, aten, c10d
 from graphshard.passes.markers import ALL_GATHER_SINGLE
 from graphshard.passes.plan import Plan
 
-__all__ = ["gloo_gathers"]
+__all__ = ["FUNCTIONAL_GATHERS", "gloo_gathers"]
 
-_FUNCTIONAL = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default)
+# The all-gathers that run on gloo's coalesced collective: those this pass replaces.
+FUNCTIONAL_GATHERS = (c10d.all_gather_into_tensor.default,
+                      c10d.all_gather_into_tensor_coalesced.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
 
 
@@ -37,7 +39,7 @@ def gloo_gathers(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace each functional all-gather of a gloo group with ``all_gather_single``."""
     make = NodeMaker(gm.graph)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _FUNCTIONAL:
+        if node.op != "call_function" or node.target not in FUNCTIONAL_GATHERS:
             continue
         if node.meta.get("group_backend") != "gloo":
             continue

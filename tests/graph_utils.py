@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
+import graphshard
 from graphshard.passes.markers import ALL_GATHER_SINGLE, TAKE_PREFETCHED
 from graphshard.tools.offline import fake_process_group  # noqa: F401  (re-exported for tests)
 
@@ -29,6 +30,16 @@ REBUILD_OPS = {
 # step may have issued already: graphshard.passes.step_prefetch), and a gloo group's are
 # ``all_gather_single`` (graphshard.passes.gloo_gathers); ``calls`` counts them as one.
 _SAME_AS = {c10d.all_gather_into_tensor.default: (TAKE_PREFETCHED, ALL_GATHER_SINGLE)}
+
+
+def compile_and_step(model: nn.Module, **backend_options) -> dict:
+    """Compile ``model`` (sharded) with the graph-only backend, run forward and backward on
+    a ``[4, 8]`` input, return the graphs of each stage."""
+    backend = graphshard.backend(inductor=False, **backend_options)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(torch.randn(4, 8)).sum().backward()
+    (stages,) = backend.graphs
+    return stages
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:

@@ -151,15 +151,11 @@ def recorded_as_gloo(monkeypatch):
 
 
 def _lowered(**options) -> dict:
-    from graph_utils import TwoBlock
+    from graph_utils import TwoBlock, compile_and_step
 
     import graphshard
 
-    backend = graphshard.backend(inductor=False, **options)
-    compiled = torch.compile(graphshard.shard(TwoBlock()), backend=backend, fullgraph=True)
-    compiled(torch.randn(4, 8)).sum().backward()
-    (stages,) = backend.graphs
-    return stages
+    return compile_and_step(graphshard.shard(TwoBlock()), **options)
 
 
 def _targets(gm) -> list:

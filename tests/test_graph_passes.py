@@ -12,6 +12,7 @@ from graph_utils import (
     TwoBlock,
     c10d,
     calls,
+    compile_and_step,
     derived_from,
     fake_process_group,
     gathered_values,
@@ -22,15 +23,6 @@ from torch import nn
 
 import graphshard
 from graphshard.passes.layout import Dim0Layout
-
-
-def compile_and_step(model: nn.Module, **backend_options) -> dict:
-    """Shard-compile ``model`` with the graph-only backend, run fw+bw, return the graphs."""
-    backend = graphshard.backend(inductor=False, **backend_options)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    compiled(torch.randn(4, 8)).sum().backward()
-    (stages,) = backend.graphs
-    return stages
 
 
 @pytest.fixture

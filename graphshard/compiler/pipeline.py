@@ -66,6 +66,7 @@ from graphshard.passes import (
     step_prefetch,
 )
 from graphshard.passes.cost_model import collective_group, collective_kind
+from graphshard.passes.gloo_gathers import FUNCTIONAL_GATHERS
 from graphshard.passes.markers import is_reduce_grad, is_unshard, marker_args
 from graphshard.passes.runner import PassRunner
 
@@ -93,10 +94,6 @@ def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
     runner = PassRunner(after_each=lambda step, name, g: dumper.write(stage, step, name, g),
                         seconds={} if seconds is None else seconds)
     return runner.run(stage, PIPELINE[stage], gm, plan)
-
-
-_FUNCTIONAL_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
-                       torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default)
 
 
 def _device_of(read: Any) -> torch.device | str:
@@ -130,7 +127,7 @@ def record_group_facts(gm: fx.GraphModule) -> None:
             read = args.grad if is_reduce_grad(node) else args.shard
             node.meta["group_backend"] = group_backend(args.group_name, _device_of(read))
             continue
-        if node.target in _FUNCTIONAL_GATHERS:  # DTensor's, in tensor-parallel graphs
+        if node.target in FUNCTIONAL_GATHERS:  # DTensor's, in tensor-parallel graphs
             node.meta["group_backend"] = group_backend(node.args[2], _device_of(node.args[0]))
             continue
         if collective_kind(node) not in ("all_reduce", "all_to_all"):
