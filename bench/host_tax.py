@@ -319,13 +319,16 @@ def median_split(splits: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def profile_steps(
-    step: Callable[[Any], None], steps: int, prepare: Callable[[], Any] = lambda: None
+    step: Callable[[Any], None], steps: int, prepare: Callable[[], Any] = lambda: None,
+    trace_path: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``step(prepare())`` ``steps`` times under the profiler (CPU activity, no shapes,
     no memory) and return each step's split (:func:`split_events`).
 
     ``prepare`` (the batch, a barrier) runs inside the profile but outside the step's
     event; ``step`` should mark its device synchronisation with :func:`sync_event`.
+    ``trace_path``: also write the profile there as a Chrome trace (``bench.trace_split``
+    reads it).
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -334,6 +337,8 @@ def profile_steps(
             arg = prepare()
             with record_function(STEP_EVENT):
                 step(arg)
+    if trace_path is not None:
+        prof.export_chrome_trace(trace_path)
     return split_events(prof.profiler.kineto_results.events())
 
 

@@ -180,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "systems (guards, wrappers, optimizer, rest: bench/host_tax.py); 0: none",
     )  # fmt: skip
     parser.add_argument(
+        "--trace-dir", default=None,
+        help="write the host-tax steps' profile of each system and rank here as a Chrome "
+        "trace, <system>.rank<R>.json (python -m bench.trace_split splits it by kind of work)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device-profile-steps", type=int, default=0,
         help="steps profiled with the accelerator's activity for each system's device time "
         "(busy, idle, kernels, the largest kernels: bench/device_time.py); 0: none, and "
@@ -418,8 +423,12 @@ def host_tax(
     (:mod:`bench.host_tax`), None where it does not apply or none were asked for."""
     if not args.host_tax_steps or not applies_to(trial.name):
         return None
+    trace = None
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        trace = os.path.join(args.trace_dir, f"{trial.name}.rank{rank}.json")
     splits = profile_steps(_synced_step(trial, device), args.host_tax_steps,
-                           lambda: _tokens(trial, args, rank, device))
+                           lambda: _tokens(trial, args, rank, device), trace_path=trace)
     return median_split(splits)
 
 

@@ -12,6 +12,7 @@ import torch
 from bench.host_tax import BUCKETS, HOST_BUCKETS, STEP_EVENT, applies_to, split_events
 from bench.report import host_tax_cell
 from bench.step import main
+from bench.trace_split import KINDS, chrome_events, kind_of, work_split
 
 
 @dataclass
@@ -77,6 +78,37 @@ def test_split_follows_the_innermost_event_and_sums_to_the_step():
     assert split["subclass_by_bucket"]["optimizer"] == pytest.approx(6e-6)
 
 
+def test_work_split_gives_each_instant_of_the_step_to_its_innermost_event():
+    """bench.trace_split: self times on the step's thread, by kind of work; another thread's
+    events and events outside a step are not counted; the kernels ranked by time."""
+    events = [
+        _Event(STEP_EVENT, 0, 100),
+        _Event("## Call CompiledFxGraph abc ##", 2, 60),  # own time 58-10-20-5-8-4 = 11
+        _Event("aten::mm", 4, 14),  # matmul 10
+        _Event("cpp_fused_add_1", 14, 34),  # inductor kernels 20
+        _Event("aten::_scaled_dot_product_flash_attention_for_cpu", 34, 39),  # attention 5
+        _Event("graphshard::all_gather_single", 40, 48),  # comm issue 8 ...
+        _Event("c10d::_allgather_base_", 41, 43),  # ... with the collective inside it
+        _Event("_c10d_functional::wait_tensor", 50, 54),  # comm wait 4
+        _Event("Optimizer.step#AdamW.step", 62, 90),  # optimizer 28 - 6 = 22
+        _Event("aten::_fused_adamw_", 64, 70),  # optimizer 6
+        _Event("cpp_fused_add_1", 200, 210),  # after the step: not counted
+        _Event("aten::mm", 5, 95, thread=2),  # another thread: not counted
+        _Event(STEP_EVENT, 300, 340),
+        _Event("cpp_fused_copy_2", 310, 340),  # inductor kernels 30, other 10
+    ]
+    work = work_split(events)
+    assert work["steps"] == 2 and work["step_ms"] == pytest.approx(70e-3)
+    assert {k: round(work[f"{k}_ms"] * 2e3, 6) for k in KINDS} == {
+        "matmul": 10, "attention": 5, "inductor kernels": 61, "comm issue": 8,
+        "comm wait": 4, "optimizer": 28, "other": 24}
+    assert [(name, round(ms * 2e3, 6), calls) for name, ms, calls in work["kernels"]] == [
+        ("cpp_fused_copy_2", 30, 0.5), ("cpp_fused_add_1", 20, 0.5)]
+    assert kind_of("graph_0_cpp_fused_mul_silu_4") == "inductor kernels"  # DDP's split graphs
+    assert kind_of("graphshard::take_prefetched") == "comm wait"
+    assert work_split([])["steps"] == 0
+
+
 def test_another_threads_backward_fills_the_callers_wait():
     """On a GPU the autograd engine runs the backward on its device thread while the
     caller waits in ``backward()``: that time is the other thread's bucket, once."""
@@ -110,10 +142,11 @@ def test_bench_column_splits_a_real_step(tmp_path):
     parts that sum to the profiled step, with guards, wrappers and the optimizer nonzero;
     the eager system has no split."""
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    traces = tmp_path / "traces"
     main(["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--fake-world", "2",
           "--steps", "3", "--warmup", "1", "--host-tax-steps", "2", "--json", str(out),
-          "--markdown", str(md), "--systems", "graphshard-compiled", "graphshard-eager",
-          "single-compiled"])
+          "--markdown", str(md), "--trace-dir", str(traces), "--systems", "graphshard-compiled",
+          "graphshard-eager", "single-compiled"])
     systems = {s["system"]: s for s in json.loads(out.read_text())["systems"]}
     assert systems["graphshard-eager"]["host_tax"] is None
     for name in ("graphshard-compiled", "single-compiled"):
@@ -130,6 +163,19 @@ def test_bench_column_splits_a_real_step(tmp_path):
     assert systems["single-compiled"]["host_tax"]["subclass_s"] == 0
     table = md.read_text()
     assert "host ms: guards / wrappers / optimizer / rest" in table
+    # --trace-dir: the same profiled steps as Chrome traces, which bench.trace_split splits
+    # by kind of work (the eager system has no host-tax profile, so no trace)
+    assert sorted(p.name for p in traces.iterdir()) == [
+        "graphshard-compiled.rank0.json", "single-compiled.rank0.json"]
+    for name in ("graphshard-compiled", "single-compiled"):
+        work = work_split(chrome_events(str(traces / f"{name}.rank0.json")))
+        assert work["steps"] == 2, (name, work)
+        assert sum(work[f"{k}_ms"] for k in KINDS) == pytest.approx(work["step_ms"], rel=1e-6)
+        assert work["matmul_ms"] > 0 and work["inductor kernels_ms"] > 0, (name, work)
+        assert work["optimizer_ms"] > 0, (name, work)
+        # the profiled step of the trace is the one the host-tax split measured
+        profiled = systems[name]["host_tax"]["step_s_all"]
+        assert work["step_ms"] == pytest.approx(1e3 * sum(profiled) / 2, rel=1e-3)
     row = next(line for line in table.splitlines() if line.startswith("| graphshard-compiled "))
     assert row.endswith(f"| {host_tax_cell(systems['graphshard-compiled']['host_tax'])} |")
 

@@ -1,0 +1,181 @@
+"""Where a profiled step's time goes, by kind of work: matmuls, attention, Inductor's own
+kernels, communication issued and waited for, the optimizer, the rest.
+
+``python -m bench.step ... --host-tax-steps N --trace-dir traces`` writes the trace of each
+compiled system's N profiled steps (one file per system and rank); then::
+
+    python -m bench.trace_split traces/graphshard-compiled.rank0.json traces/ddp-compiled.rank0.json
+
+prints, per trace, the mean step's milliseconds by kind and its largest Inductor kernels.
+Two systems that run the same model compare kind by kind: the same matmuls and attention,
+and whatever one adds (copies in its own kernels, collectives issued on the step's thread,
+waits).
+
+The step's thread is the timeline: every instant of a step (``bench::host_tax_step``) goes
+to the innermost event around it on that thread (its self time), named by :func:`kind_of`.
+Other threads (gloo's, the autograd engine's) are not counted: their work shows where the
+step's thread waits for it or where it slows the compute beside it.
+
+On the CPU, Inductor's kernels appear in a trace only when compiled with its kernel profile
+(``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`` in the environment of a cold compile: the
+setting is part of the code, so use an Inductor cache directory of its own); without it
+their time is the ``## Call CompiledFxGraph`` event's own, which this module counts as
+``inductor kernels`` too. On a GPU the kernels run on the device: use
+``--device-profile-steps`` (``bench/device_time.py``) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.host_tax import STEP_EVENT
+from bench.systems import SETTLE_EVENT
+
+__all__ = ["KINDS", "chrome_events", "kind_of", "main", "work_split"]
+
+KINDS: tuple[str, ...] = (
+    "matmul", "attention", "inductor kernels", "comm issue", "comm wait", "optimizer", "other",
+)
+
+_MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm"})
+_WAITS = frozenset({"_c10d_functional::wait_tensor", "graphshard::take_prefetched",
+                    SETTLE_EVENT})
+_GRAPH_CALL = "## Call CompiledFxGraph"
+
+
+def kind_of(name: str) -> str:
+    """The kind of work of a profiler event named ``name`` (one of :data:`KINDS`)."""
+    if name in _MATMULS:
+        return "matmul"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    if "cpp_fused" in name or name.startswith(_GRAPH_CALL):
+        return "inductor kernels"
+    if name in _WAITS:
+        return "comm wait"
+    if name.startswith(("c10d::", "_c10d_functional::", "graphshard::all_gather_single")):
+        return "comm issue"
+    if name.startswith("Optimizer.") or "_fused_adam" in name:
+        return "optimizer"
+    return "other"
+
+
+@dataclass(frozen=True)
+class _Event:
+    """One complete event of a Chrome trace (times in microseconds)."""
+
+    label: str
+    start_us: float
+    dur_us: float
+    thread: Any  # an int, or a name for the profiler's own rows
+
+    def name(self) -> str:
+        return self.label
+
+    def start_ns(self) -> int:
+        return int(round(self.start_us * 1000))
+
+    def duration_ns(self) -> int:
+        return int(round(self.dur_us * 1000))
+
+    def start_thread_id(self) -> Any:
+        return self.thread
+
+
+def chrome_events(path: str) -> list[_Event]:
+    """The complete (``"ph": "X"``) events of a Chrome trace written by ``torch.profiler``,
+    as objects with the kineto event methods :func:`work_split` reads."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [_Event(e["name"], float(e["ts"]), float(e.get("dur", 0)), e.get("tid", 0))
+            for e in events if e.get("ph") == "X"]
+
+
+def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
+               top_kernels: int = 8) -> dict[str, Any]:
+    """The mean step of the ``step_event`` ranges in ``events`` (kineto events, or
+    :func:`chrome_events`), on each step's own thread: ``steps``, ``step_ms``, one
+    ``<kind>_ms`` per :data:`KINDS` (self times; they sum to ``step_ms``) and ``kernels``,
+    the ``top_kernels`` Inductor kernels (``cpp_fused...`` events) with the most time, as
+    ``(name, ms a step, calls a step)``."""
+    by_thread: dict[Any, list[tuple[int, int, str]]] = {}
+    for e in events:
+        start = e.start_ns()
+        by_thread.setdefault(e.start_thread_id(), []).append(
+            (start, start + e.duration_ns(), e.name()))
+    totals = dict.fromkeys(KINDS, 0.0)
+    kernels: dict[str, list[float]] = {}
+    steps, step_ns = 0, 0
+    for spans in by_thread.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        for start, end, name in spans:
+            if name != step_event:
+                continue
+            steps += 1
+            step_ns += end - start
+            inside = [s for s in spans if start <= s[0] and s[1] <= end and s[2] != step_event]
+            for label, own in _self_times(start, end, inside):
+                kind = "other" if label is None else kind_of(label)
+                totals[kind] += own
+                if label is not None and "cpp_fused" in label:
+                    entry = kernels.setdefault(label, [0.0, 0])
+                    entry[0] += own
+                    entry[1] += 1
+    if not steps:
+        return {"steps": 0, "step_ms": 0.0, **{f"{k}_ms": 0.0 for k in KINDS}, "kernels": []}
+    per = 1e6 * steps
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]
+    return {
+        "steps": steps,
+        "step_ms": step_ns / per,
+        **{f"{k}_ms": totals[k] / per for k in KINDS},
+        "kernels": [(name, ns / per, calls / steps) for name, (ns, calls) in ranked],
+    }
+
+
+def _self_times(start: int, end: int, spans: list[tuple[int, int, str]]):
+    """(name, self ns) of each of ``spans`` (sorted by start, properly nested) inside the
+    range [start, end), and (None, ns) for the range's own time."""
+    stack: list[list[Any]] = [[start, end, None, end - start]]
+    done = []
+    for s, e, name in spans:
+        while stack[-1][1] <= s and len(stack) > 1:
+            done.append(stack.pop())
+        e = min(e, stack[-1][1])  # a child cut at its parent's end (clock rounding)
+        stack[-1][3] -= e - s
+        stack.append([s, e, name, e - s])
+    done.extend(stack)
+    return [(name, own) for _, _, name, own in done]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Print the split of each trace named on the command line; return the splits."""
+    parser = argparse.ArgumentParser(prog="python -m bench.trace_split", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", help="Chrome traces from bench.step --trace-dir")
+    parser.add_argument("--top", type=int, default=8, help="Inductor kernels to list")
+    args = parser.parse_args(argv)
+    splits = []
+    header = " | ".join(KINDS)
+    print(f"| trace | steps | step ms | {header} |")
+    print("|---|---:|---:|" + "---:|" * len(KINDS))
+    for path in args.traces:
+        split = work_split(chrome_events(path), top_kernels=args.top)
+        splits.append(split)
+        cells = " | ".join(f"{split[f'{k}_ms']:.1f}" for k in KINDS)
+        print(f"| {path} | {split['steps']} | {split['step_ms']:.1f} | {cells} |")
+    for path, split in zip(args.traces, splits, strict=True):
+        if split["kernels"]:
+            print(f"\n{path}: largest Inductor kernels, ms a step (calls a step)")
+            for name, ms, calls in split["kernels"]:
+                print(f"  {ms:7.2f} ({calls:g})  {name}")
+    return splits
+
+
+if __name__ == "__main__":
+    main()
