@@ -181,8 +181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--trace-dir", default=None,
-        help="write the host-tax steps' profile of each system and rank here as a Chrome "
-        "trace, <system>.rank<R>.json (python -m bench.trace_split splits it by kind of work)",
+        help="write the host-tax steps' profile of each compiled system and rank here as a "
+        "Chrome trace, <system>.rank<R>.json (python -m bench.trace_split splits it by kind of "
+        "work)",
     )  # fmt: skip
     parser.add_argument(
         "--device-profile-steps", type=int, default=0,
