@@ -82,7 +82,10 @@ __all__ = [
     "STEP_EVENT",
     "SYNC_EVENT",
     "applies_to",
+    "EventNode",
     "classify",
+    "event_forest",
+    "host_event_tuples",
     "is_host_event",
     "median_split",
     "profile_steps",
@@ -144,11 +147,13 @@ def applies_to(system: str) -> bool:
 
 
 @dataclass
-class _Node:
+class EventNode:
+    """A profiler event and the events inside it on its thread (:func:`event_forest`)."""
+
     name: str
     start: int
     end: int
-    children: list[_Node] = field(default_factory=list)
+    children: list[EventNode] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,7 @@ def is_host_event(event: Any) -> bool:
     return cpu is None or device_type is None or device_type() == cpu
 
 
-def _event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
+def host_event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
     """(name, start ns, end ns, thread) of the CPU-side events of a kineto trace (or of any
     objects with the same methods)."""
     for e in events:
@@ -177,12 +182,13 @@ def _event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
         yield e.name(), start, start + e.duration_ns(), e.start_thread_id()
 
 
-def _forest(spans: list[tuple[str, int, int]]) -> list[_Node]:
-    """One thread's events as trees, by containment (parents first at equal starts)."""
-    roots: list[_Node] = []
-    stack: list[_Node] = []
+def event_forest(spans: list[tuple[str, int, int]]) -> list[EventNode]:
+    """One thread's events, ``(name, start, end)``, as trees by containment (parents first
+    at equal starts; a child that outlasts its parent is cut at the parent's end)."""
+    roots: list[EventNode] = []
+    stack: list[EventNode] = []
     for name, start, end in sorted(spans, key=lambda s: (s[1], -s[2])):
-        node = _Node(name, start, end)
+        node = EventNode(name, start, end)
         while stack and stack[-1].end <= start:
             stack.pop()
         if stack and end > stack[-1].end:  # not nested (never in a well-formed trace)
@@ -192,7 +198,7 @@ def _forest(spans: list[tuple[str, int, int]]) -> list[_Node]:
     return roots
 
 
-def _self_spans(node: _Node, outer: str, out: list[_Span]) -> None:
+def _self_spans(node: EventNode, outer: str, out: list[_Span]) -> None:
     """Append ``node``'s self-time spans, labelled, then its children's; ``outer`` is the
     bucket around it."""
     own = classify(node.name)
@@ -213,7 +219,7 @@ def _self_spans(node: _Node, outer: str, out: list[_Span]) -> None:
 
 def _thread_spans(spans: list[tuple[str, int, int]]) -> list[_Span]:
     out: list[_Span] = []
-    for root in _forest(spans):
+    for root in event_forest(spans):
         _self_spans(root, "rest", out)
     return sorted(out, key=lambda s: s.start)
 
@@ -234,7 +240,7 @@ def split_events(events: Iterable[Any], step_event: str = STEP_EVENT) -> list[di
     seconds; see the module docstring for the definitions.
     """
     by_thread: dict[int, list[tuple[str, int, int]]] = {}
-    for name, start, end, thread in _event_tuples(events):
+    for name, start, end, thread in host_event_tuples(events):
         by_thread.setdefault(thread, []).append((name, start, end))
     steps = sorted(
         (start, end, thread)

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bench.host_tax import STEP_EVENT
-from bench.systems import SETTLE_EVENT
+from bench.host_tax import STEP_EVENT, EventNode, event_forest, host_event_tuples
+from bench.timing import WAIT_EVENTS
 
 __all__ = ["KINDS", "chrome_events", "kind_of", "main", "work_split"]
 
@@ -42,8 +42,6 @@ KINDS: tuple[str, ...] = (
 )
 
 _MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm"})
-_WAITS = frozenset({"_c10d_functional::wait_tensor", "graphshard::take_prefetched",
-                    SETTLE_EVENT})
 _GRAPH_CALL = "## Call CompiledFxGraph"
 
 
@@ -55,7 +53,7 @@ def kind_of(name: str) -> str:
         return "attention"
     if "cpp_fused" in name or name.startswith(_GRAPH_CALL):
         return "inductor kernels"
-    if name in _WAITS:
+    if name in WAIT_EVENTS:
         return "comm wait"
     if name.startswith(("c10d::", "_c10d_functional::", "graphshard::all_gather_single")):
         return "comm issue"
@@ -86,14 +84,19 @@ class _Event:
         return self.thread
 
 
+# Chrome-trace categories of the device's own timeline (kernels, copies, the ranges drawn
+# there), left out as ``bench.host_tax.is_host_event`` leaves out a kineto device event.
+_DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+
+
 def chrome_events(path: str) -> list[_Event]:
-    """The complete (``"ph": "X"``) events of a Chrome trace written by ``torch.profiler``,
-    as objects with the kineto event methods :func:`work_split` reads."""
+    """The complete (``"ph": "X"``) host events of a Chrome trace written by
+    ``torch.profiler``, as objects with the kineto event methods :func:`work_split` reads."""
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return [_Event(e["name"], float(e["ts"]), float(e.get("dur", 0)), e.get("tid", 0))
-            for e in events if e.get("ph") == "X"]
+            for e in events if e.get("ph") == "X" and e.get("cat") not in _DEVICE_CATEGORIES]
 
 
 def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
@@ -102,30 +105,19 @@ def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     :func:`chrome_events`), on each step's own thread: ``steps``, ``step_ms``, one
     ``<kind>_ms`` per :data:`KINDS` (self times; they sum to ``step_ms``) and ``kernels``,
     the ``top_kernels`` Inductor kernels (``cpp_fused...`` events) with the most time, as
-    ``(name, ms a step, calls a step)``."""
-    by_thread: dict[Any, list[tuple[int, int, str]]] = {}
-    for e in events:
-        start = e.start_ns()
-        by_thread.setdefault(e.start_thread_id(), []).append(
-            (start, start + e.duration_ns(), e.name()))
+    ``(name, ms a step, calls a step)``. Device events are left out (``bench.host_tax``'s
+    rules, which also build each thread's tree of events)."""
+    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
+    for name, start, end, thread in host_event_tuples(events):
+        by_thread.setdefault(thread, []).append((name, start, end))
     totals = dict.fromkeys(KINDS, 0.0)
     kernels: dict[str, list[float]] = {}
     steps, step_ns = 0, 0
     for spans in by_thread.values():
-        spans.sort(key=lambda s: (s[0], -s[1]))
-        for start, end, name in spans:
-            if name != step_event:
-                continue
+        for step in _named(event_forest(spans), step_event):
             steps += 1
-            step_ns += end - start
-            inside = [s for s in spans if start <= s[0] and s[1] <= end and s[2] != step_event]
-            for label, own in _self_times(start, end, inside):
-                kind = "other" if label is None else kind_of(label)
-                totals[kind] += own
-                if label is not None and "cpp_fused" in label:
-                    entry = kernels.setdefault(label, [0.0, 0])
-                    entry[0] += own
-                    entry[1] += 1
+            step_ns += step.end - step.start
+            _add_self_times(step, "other", totals, kernels)
     if not steps:
         return {"steps": 0, "step_ms": 0.0, **{f"{k}_ms": 0.0 for k in KINDS}, "kernels": []}
     per = 1e6 * steps
@@ -138,19 +130,27 @@ def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     }
 
 
-def _self_times(start: int, end: int, spans: list[tuple[int, int, str]]):
-    """(name, self ns) of each of ``spans`` (sorted by start, properly nested) inside the
-    range [start, end), and (None, ns) for the range's own time."""
-    stack: list[list[Any]] = [[start, end, None, end - start]]
-    done = []
-    for s, e, name in spans:
-        while stack[-1][1] <= s and len(stack) > 1:
-            done.append(stack.pop())
-        e = min(e, stack[-1][1])  # a child cut at its parent's end (clock rounding)
-        stack[-1][3] -= e - s
-        stack.append([s, e, name, e - s])
-    done.extend(stack)
-    return [(name, own) for _, _, name, own in done]
+def _named(nodes: list[EventNode], name: str) -> Iterator[EventNode]:
+    """The outermost nodes called ``name`` among ``nodes`` and their descendants."""
+    for node in nodes:
+        if node.name == name:
+            yield node
+        else:
+            yield from _named(node.children, name)
+
+
+def _add_self_times(node: EventNode, kind: str, totals: dict[str, float],
+                    kernels: dict[str, list[float]]) -> None:
+    """Add ``node``'s self time to ``kind`` (and to its kernel's entry, for an Inductor
+    kernel), then its children's, each to its own kind."""
+    own = (node.end - node.start) - sum(c.end - c.start for c in node.children)
+    totals[kind] += own
+    if "cpp_fused" in node.name:
+        entry = kernels.setdefault(node.name, [0.0, 0])
+        entry[0] += own
+        entry[1] += 1
+    for child in node.children:
+        _add_self_times(child, kind_of(child.name), totals, kernels)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -109,6 +109,25 @@ def test_work_split_gives_each_instant_of_the_step_to_its_innermost_event():
     assert work_split([])["steps"] == 0
 
 
+def test_a_chrome_trace_gives_its_host_events_only(tmp_path):
+    """bench.trace_split.chrome_events: the device's timeline (kernels, the step range the
+    profiler draws there too) is left out, so a GPU trace counts each step once."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": STEP_EVENT, "ts": 0, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 4, "tid": 1},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": STEP_EVENT, "ts": 2, "dur": 9,
+         "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3, "dur": 5, "tid": 7},
+        {"ph": "M", "name": "thread_name", "tid": "PyTorch Profiler"},
+    ]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert [e.name() for e in chrome_events(str(path))] == [STEP_EVENT, "aten::mm"]
+    work = work_split(chrome_events(str(path)))
+    assert work["steps"] == 1 and work["matmul_ms"] == pytest.approx(4e-3)
+    assert work["other_ms"] == pytest.approx(6e-3)
+
+
 def test_another_threads_backward_fills_the_callers_wait():
     """On a GPU the autograd engine runs the backward on its device thread while the
     caller waits in ``backward()``: that time is the other thread's bucket, once."""
