@@ -100,33 +100,39 @@ def chrome_events(path: str) -> list[_Event]:
 
 
 def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
-               top_kernels: int = 8) -> dict[str, Any]:
+               top_kernels: int = 8, top_events: int = 0) -> dict[str, Any]:
     """The mean step of the ``step_event`` ranges in ``events`` (kineto events, or
     :func:`chrome_events`), on each step's own thread: ``steps``, ``step_ms``, one
-    ``<kind>_ms`` per :data:`KINDS` (self times; they sum to ``step_ms``) and ``kernels``,
+    ``<kind>_ms`` per :data:`KINDS` (self times; they sum to ``step_ms``), ``kernels``,
     the ``top_kernels`` Inductor kernels (``cpp_fused...`` events) with the most time, as
-    ``(name, ms a step, calls a step)``. Device events are left out (``bench.host_tax``'s
-    rules, which also build each thread's tree of events)."""
+    ``(name, ms a step, calls a step)``, and ``events``, the ``top_events`` event names of
+    any kind with the most self time, as ``(kind, name, ms a step, calls a step)``: what
+    two systems' ``other`` or ``inductor kernels`` differ by. Device events are left out
+    (``bench.host_tax``'s rules, which also build each thread's tree of events)."""
     by_thread: dict[Any, list[tuple[str, int, int]]] = {}
     for name, start, end, thread in host_event_tuples(events):
         by_thread.setdefault(thread, []).append((name, start, end))
     totals = dict.fromkeys(KINDS, 0.0)
-    kernels: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}  # event name -> [self ns, calls]
     steps, step_ns = 0, 0
     for spans in by_thread.values():
         for step in _named(event_forest(spans), step_event):
             steps += 1
             step_ns += step.end - step.start
-            _add_self_times(step, "other", totals, kernels)
+            _add_self_times(step, "other", totals, by_name)
     if not steps:
-        return {"steps": 0, "step_ms": 0.0, **{f"{k}_ms": 0.0 for k in KINDS}, "kernels": []}
+        return {"steps": 0, "step_ms": 0.0, **{f"{k}_ms": 0.0 for k in KINDS},
+                "kernels": [], "events": []}
     per = 1e6 * steps
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    kernels = [(name, ns, calls) for name, (ns, calls) in ranked if "cpp_fused" in name]
     return {
         "steps": steps,
         "step_ms": step_ns / per,
         **{f"{k}_ms": totals[k] / per for k in KINDS},
-        "kernels": [(name, ns / per, calls / steps) for name, (ns, calls) in ranked],
+        "kernels": [(name, ns / per, calls / steps) for name, ns, calls in kernels[:top_kernels]],
+        "events": [(kind_of(name), name, ns / per, calls / steps)
+                   for name, (ns, calls) in ranked[:top_events]],
     }
 
 
@@ -140,17 +146,16 @@ def _named(nodes: list[EventNode], name: str) -> Iterator[EventNode]:
 
 
 def _add_self_times(node: EventNode, kind: str, totals: dict[str, float],
-                    kernels: dict[str, list[float]]) -> None:
-    """Add ``node``'s self time to ``kind`` (and to its kernel's entry, for an Inductor
-    kernel), then its children's, each to its own kind."""
+                    by_name: dict[str, list[float]]) -> None:
+    """Add ``node``'s self time to ``kind`` and to its name's entry, then its children's,
+    each to its own kind."""
     own = (node.end - node.start) - sum(c.end - c.start for c in node.children)
     totals[kind] += own
-    if "cpp_fused" in node.name:
-        entry = kernels.setdefault(node.name, [0.0, 0])
-        entry[0] += own
-        entry[1] += 1
+    entry = by_name.setdefault(node.name, [0.0, 0])
+    entry[0] += own
+    entry[1] += 1
     for child in node.children:
-        _add_self_times(child, kind_of(child.name), totals, kernels)
+        _add_self_times(child, kind_of(child.name), totals, by_name)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -159,13 +164,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", help="Chrome traces from bench.step --trace-dir")
     parser.add_argument("--top", type=int, default=8, help="Inductor kernels to list")
+    parser.add_argument("--events", type=int, default=0, metavar="N",
+                        help="also list the N event names with the most self time, of any "
+                             "kind (what two traces' 'other' differ by)")
     args = parser.parse_args(argv)
     splits = []
     header = " | ".join(KINDS)
     print(f"| trace | steps | step ms | {header} |")
     print("|---|---:|---:|" + "---:|" * len(KINDS))
     for path in args.traces:
-        split = work_split(chrome_events(path), top_kernels=args.top)
+        split = work_split(chrome_events(path), top_kernels=args.top, top_events=args.events)
         splits.append(split)
         cells = " | ".join(f"{split[f'{k}_ms']:.1f}" for k in KINDS)
         print(f"| {path} | {split['steps']} | {split['step_ms']:.1f} | {cells} |")
@@ -174,6 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"\n{path}: largest Inductor kernels, ms a step (calls a step)")
             for name, ms, calls in split["kernels"]:
                 print(f"  {ms:7.2f} ({calls:g})  {name}")
+        if split["events"]:
+            print(f"\n{path}: events with the most self time, ms a step (calls a step)")
+            for kind, name, ms, calls in split["events"]:
+                print(f"  {ms:7.2f} ({calls:g})  {kind}: {name}")
     return splits
 
 

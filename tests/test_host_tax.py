@@ -97,13 +97,18 @@ def test_work_split_gives_each_instant_of_the_step_to_its_innermost_event():
         _Event(STEP_EVENT, 300, 340),
         _Event("cpp_fused_copy_2", 310, 340),  # inductor kernels 30, other 10
     ]
-    work = work_split(events)
+    work = work_split(events, top_events=3)
     assert work["steps"] == 2 and work["step_ms"] == pytest.approx(70e-3)
     assert {k: round(work[f"{k}_ms"] * 2e3, 6) for k in KINDS} == {
         "matmul": 10, "attention": 5, "inductor kernels": 61, "comm issue": 8,
         "comm wait": 4, "optimizer": 28, "other": 24}
     assert [(name, round(ms * 2e3, 6), calls) for name, ms, calls in work["kernels"]] == [
         ("cpp_fused_copy_2", 30, 0.5), ("cpp_fused_add_1", 20, 0.5)]
+    # Every name ranked by its self time, of any kind (the steps' own: 100-58-28 + 40-30).
+    assert [(kind, name, round(ms * 2e3, 6), calls)
+            for kind, name, ms, calls in work["events"]] == [
+        ("inductor kernels", "cpp_fused_copy_2", 30, 0.5), ("other", STEP_EVENT, 24, 1),
+        ("optimizer", "Optimizer.step#AdamW.step", 22, 0.5)]
     assert kind_of("graph_0_cpp_fused_mul_silu_4") == "inductor kernels"  # DDP's split graphs
     assert kind_of("graphshard::take_prefetched") == "comm wait"
     assert work_split([])["steps"] == 0
