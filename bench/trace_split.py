@@ -6,7 +6,9 @@ compiled system's N profiled steps (one file per system and rank); then::
 
     python -m bench.trace_split traces/graphshard-compiled.rank0.json traces/ddp-compiled.rank0.json
 
-prints, per trace, the mean step's milliseconds by kind and its largest Inductor kernels.
+prints, per trace, the mean step's milliseconds by kind and its largest Inductor kernels
+(``--events N``: also the N event names with the most self time; ``--callers NAME``: where
+the events called NAME are called from).
 Two systems that run the same model compare kind by kind: the same matmuls and attention,
 and whatever one adds (copies in its own kernels, collectives issued on the step's thread,
 waits).
@@ -35,7 +37,7 @@ from typing import Any
 from bench.host_tax import STEP_EVENT, EventNode, event_forest, host_event_tuples
 from bench.timing import WAIT_EVENTS
 
-__all__ = ["KINDS", "chrome_events", "kind_of", "main", "work_split"]
+__all__ = ["KINDS", "callers", "chrome_events", "kind_of", "main", "work_split"]
 
 KINDS: tuple[str, ...] = (
     "matmul", "attention", "inductor kernels", "comm issue", "comm wait", "optimizer", "other",
@@ -136,6 +138,35 @@ def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     }
 
 
+def callers(events: Iterable[Any], name: str, step_event: str = STEP_EVENT,
+            depth: int = 2) -> list[tuple[str, float, float]]:
+    """Where the ``name`` events of the mean step (as :func:`work_split` counts steps) are
+    called from: ``(the innermost `depth` enclosing event names, joined by " > ", ms a
+    step, calls a step)``, most time first, a call's time being its whole duration. Tells
+    apart, say, the copies that a collective makes from those that a model makes."""
+    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
+    for event_name, start, end, thread in host_event_tuples(events):
+        by_thread.setdefault(thread, []).append((event_name, start, end))
+    totals: dict[str, list[float]] = {}
+    steps = 0
+
+    def visit(node: EventNode, path: list[str]) -> None:
+        if node.name == name:
+            entry = totals.setdefault(" > ".join(path[-depth:]), [0.0, 0])
+            entry[0] += node.end - node.start
+            entry[1] += 1
+        for child in node.children:
+            visit(child, [*path, node.name])
+
+    for spans in by_thread.values():
+        for step in _named(event_forest(spans), step_event):
+            steps += 1
+            visit(step, [])
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return [(where, ns / (1e6 * steps), calls / steps) for where, (ns, calls) in ranked
+            ] if steps else []
+
+
 def _named(nodes: list[EventNode], name: str) -> Iterator[EventNode]:
     """The outermost nodes called ``name`` among ``nodes`` and their descendants."""
     for node in nodes:
@@ -167,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--events", type=int, default=0, metavar="N",
                         help="also list the N event names with the most self time, of any "
                              "kind (what two traces' 'other' differ by)")
+    parser.add_argument("--callers", metavar="NAME",
+                        help="also list where the events called NAME are called from")
     args = parser.parse_args(argv)
     splits = []
     header = " | ".join(KINDS)
@@ -186,6 +219,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"\n{path}: events with the most self time, ms a step (calls a step)")
             for kind, name, ms, calls in split["events"]:
                 print(f"  {ms:7.2f} ({calls:g})  {kind}: {name}")
+        if args.callers:
+            print(f"\n{path}: {args.callers}, ms a step (calls a step), by its callers")
+            for where, ms, calls in callers(chrome_events(path), args.callers):
+                print(f"  {ms:7.2f} ({calls:g})  {where}")
     return splits
 
 

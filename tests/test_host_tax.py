@@ -12,7 +12,7 @@ import torch
 from bench.host_tax import BUCKETS, HOST_BUCKETS, STEP_EVENT, applies_to, split_events
 from bench.report import host_tax_cell
 from bench.step import main
-from bench.trace_split import KINDS, chrome_events, kind_of, work_split
+from bench.trace_split import KINDS, callers, chrome_events, kind_of, work_split
 
 
 @dataclass
@@ -109,6 +109,13 @@ def test_work_split_gives_each_instant_of_the_step_to_its_innermost_event():
             for kind, name, ms, calls in work["events"]] == [
         ("inductor kernels", "cpp_fused_copy_2", 30, 0.5), ("other", STEP_EVENT, 24, 1),
         ("optimizer", "Optimizer.step#AdamW.step", 22, 0.5)]
+    # Where an event is called from: its enclosing events, inside the steps only.
+    assert callers(events, "c10d::_allgather_base_") == [
+        ("## Call CompiledFxGraph abc ## > graphshard::all_gather_single", pytest.approx(1e-3),
+         0.5)]
+    assert [(where, round(ms * 2e3, 6), calls) for where, ms, calls in
+            callers(events, "aten::mm", depth=1)] == [("## Call CompiledFxGraph abc ##", 10, 0.5)]
+    assert callers([], "aten::mm") == []
     assert kind_of("graph_0_cpp_fused_mul_silu_4") == "inductor kernels"  # DDP's split graphs
     assert kind_of("graphshard::take_prefetched") == "comm wait"
     assert work_split([])["steps"] == 0
