@@ -111,17 +111,12 @@ def work_split(events: Iterable[Any], step_event: str = STEP_EVENT,
     any kind with the most self time, as ``(kind, name, ms a step, calls a step)``: what
     two systems' ``other`` or ``inductor kernels`` differ by. Device events are left out
     (``bench.host_tax``'s rules, which also build each thread's tree of events)."""
-    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
-    for name, start, end, thread in host_event_tuples(events):
-        by_thread.setdefault(thread, []).append((name, start, end))
     totals = dict.fromkeys(KINDS, 0.0)
     by_name: dict[str, list[float]] = {}  # event name -> [self ns, calls]
-    steps, step_ns = 0, 0
-    for spans in by_thread.values():
-        for step in _named(event_forest(spans), step_event):
-            steps += 1
-            step_ns += step.end - step.start
-            _add_self_times(step, "other", totals, by_name)
+    step_nodes = _steps(events, step_event)
+    steps, step_ns = len(step_nodes), sum(step.end - step.start for step in step_nodes)
+    for step in step_nodes:
+        _add_self_times(step, "other", totals, by_name)
     if not steps:
         return {"steps": 0, "step_ms": 0.0, **{f"{k}_ms": 0.0 for k in KINDS},
                 "kernels": [], "events": []}
@@ -144,11 +139,7 @@ def callers(events: Iterable[Any], name: str, step_event: str = STEP_EVENT,
     called from: ``(the innermost `depth` enclosing event names, joined by " > ", ms a
     step, calls a step)``, most time first, a call's time being its whole duration. Tells
     apart, say, the copies that a collective makes from those that a model makes."""
-    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
-    for event_name, start, end, thread in host_event_tuples(events):
-        by_thread.setdefault(thread, []).append((event_name, start, end))
     totals: dict[str, list[float]] = {}
-    steps = 0
 
     def visit(node: EventNode, path: list[str]) -> None:
         if node.name == name:
@@ -158,13 +149,23 @@ def callers(events: Iterable[Any], name: str, step_event: str = STEP_EVENT,
         for child in node.children:
             visit(child, [*path, node.name])
 
-    for spans in by_thread.values():
-        for step in _named(event_forest(spans), step_event):
-            steps += 1
-            visit(step, [])
+    step_nodes = _steps(events, step_event)
+    for step in step_nodes:
+        visit(step, [])
+    steps = len(step_nodes)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     return [(where, ns / (1e6 * steps), calls / steps) for where, (ns, calls) in ranked
             ] if steps else []
+
+
+def _steps(events: Iterable[Any], step_event: str) -> list[EventNode]:
+    """The ``step_event`` ranges among ``events``' host events, each the tree of the events
+    inside it on its own thread."""
+    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
+    for name, start, end, thread in host_event_tuples(events):
+        by_thread.setdefault(thread, []).append((name, start, end))
+    return [step for spans in by_thread.values()
+            for step in _named(event_forest(spans), step_event)]
 
 
 def _named(nodes: list[EventNode], name: str) -> Iterator[EventNode]:
@@ -205,12 +206,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     header = " | ".join(KINDS)
     print(f"| trace | steps | step ms | {header} |")
     print("|---|---:|---:|" + "---:|" * len(KINDS))
-    for path in args.traces:
-        split = work_split(chrome_events(path), top_kernels=args.top, top_events=args.events)
+    traces = [(path, chrome_events(path)) for path in args.traces]
+    for path, events in traces:
+        split = work_split(events, top_kernels=args.top, top_events=args.events)
         splits.append(split)
         cells = " | ".join(f"{split[f'{k}_ms']:.1f}" for k in KINDS)
         print(f"| {path} | {split['steps']} | {split['step_ms']:.1f} | {cells} |")
-    for path, split in zip(args.traces, splits, strict=True):
+    for (path, events), split in zip(traces, splits, strict=True):
         if split["kernels"]:
             print(f"\n{path}: largest Inductor kernels, ms a step (calls a step)")
             for name, ms, calls in split["kernels"]:
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  {ms:7.2f} ({calls:g})  {kind}: {name}")
         if args.callers:
             print(f"\n{path}: {args.callers}, ms a step (calls a step), by its callers")
-            for where, ms, calls in callers(chrome_events(path), args.callers):
+            for where, ms, calls in callers(events, args.callers):
                 print(f"  {ms:7.2f} ({calls:g})  {where}")
     return splits
 
