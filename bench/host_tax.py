@@ -85,7 +85,7 @@ __all__ = [
     "EventNode",
     "classify",
     "event_forest",
-    "host_event_tuples",
+    "host_events_by_thread",
     "is_host_event",
     "median_split",
     "profile_steps",
@@ -172,7 +172,7 @@ def is_host_event(event: Any) -> bool:
     return cpu is None or device_type is None or device_type() == cpu
 
 
-def host_event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
+def _host_event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, int]]:
     """(name, start ns, end ns, thread) of the CPU-side events of a kineto trace (or of any
     objects with the same methods)."""
     for e in events:
@@ -180,6 +180,15 @@ def host_event_tuples(events: Iterable[Any]) -> Iterator[tuple[str, int, int, in
             continue
         start = e.start_ns()
         yield e.name(), start, start + e.duration_ns(), e.start_thread_id()
+
+
+def host_events_by_thread(events: Iterable[Any]) -> dict[Any, list[tuple[str, int, int]]]:
+    """The host events of ``events`` (:func:`_host_event_tuples`) by thread, each as
+    ``(name, start ns, end ns)``."""
+    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
+    for name, start, end, thread in _host_event_tuples(events):
+        by_thread.setdefault(thread, []).append((name, start, end))
+    return by_thread
 
 
 def event_forest(spans: list[tuple[str, int, int]]) -> list[EventNode]:
@@ -239,9 +248,7 @@ def split_events(events: Iterable[Any], step_event: str = STEP_EVENT) -> list[di
     ``host_s`` (the :data:`HOST_BUCKETS`), ``subclass_s`` and ``subclass_by_bucket``, in
     seconds; see the module docstring for the definitions.
     """
-    by_thread: dict[int, list[tuple[str, int, int]]] = {}
-    for name, start, end, thread in host_event_tuples(events):
-        by_thread.setdefault(thread, []).append((name, start, end))
+    by_thread = host_events_by_thread(events)
     steps = sorted(
         (start, end, thread)
         for thread, spans in by_thread.items()

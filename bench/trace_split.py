@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bench.host_tax import STEP_EVENT, EventNode, event_forest, host_event_tuples
+from bench.host_tax import STEP_EVENT, EventNode, event_forest, host_events_by_thread
 from bench.timing import WAIT_EVENTS
 
 __all__ = ["KINDS", "callers", "chrome_events", "kind_of", "main", "work_split"]
@@ -161,10 +161,7 @@ def callers(events: Iterable[Any], name: str, step_event: str = STEP_EVENT,
 def _steps(events: Iterable[Any], step_event: str) -> list[EventNode]:
     """The ``step_event`` ranges among ``events``' host events, each the tree of the events
     inside it on its own thread."""
-    by_thread: dict[Any, list[tuple[str, int, int]]] = {}
-    for name, start, end, thread in host_event_tuples(events):
-        by_thread.setdefault(thread, []).append((name, start, end))
-    return [step for spans in by_thread.values()
+    return [step for spans in host_events_by_thread(events).values()
             for step in _named(event_forest(spans), step_event)]
 
 
