@@ -6,7 +6,7 @@ norms already skip DTensor's dispatch (:mod:`graphshard.api.grad_norm_ops`). Its
 still pay DTensor's dispatch per gradient or per scalar: each gradient's norm wrapped into a
 DTensor, the norms stacked and scaled through DTensor's dispatch, three ops on the total,
 and the gradients scaled. At llama-1b's 147 gradients on this machine's CPU (world 1, in a
-training loop) that made a clip 1.9 ms against 1.0 ms on plain tensors (``docs/benchmark.md``).
+training loop) that made a clip 1.9 ms against 1.0 ms on plain tensors (``docs/benchmark-log.md``).
 
 This function takes the same arguments and gives the same answer, the total norm as torch
 returns it (a replicated DTensor) and the same scaled gradients, bit for bit, but runs

@@ -5,7 +5,7 @@
 DTensor's dispatch, which propagates a sharding for every gradient and wraps each norm into a
 DTensor of its own, through DTensor's constructor: at llama-1b's 147 gradients
 (``--model tiny-deep``) on this machine's CPU, 0.52 ms against 0.32 ms for the same norms on
-the local tensors (``docs/benchmark.md``). The answer never needs that work: the norm of a
+the local tensors (``docs/benchmark-log.md``). The answer never needs that work: the norm of a
 tensor that is sharded or replicated is its local norm, partial over the mesh dimensions it
 is sharded on. (The clip's other list ops, the stack of the norms and the scaling, DTensor's
 own fast path serves as fast as a handler could.)

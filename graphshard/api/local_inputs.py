@@ -9,7 +9,7 @@ at every step, per parameter, in code that does no work on the data:
   (``DTensor.__tensor_unflatten__`` builds a spec from scratch).
 
 At world 1 on a small model, where no collective runs, this is most of what graphshard's
-step costs beyond one process's (``docs/benchmark.md``).
+step costs beyond one process's (``docs/benchmark-log.md``).
 
 So each trainable parameter's record (:class:`~graphshard.records.ShardedParam`) holds
 :attr:`~graphshard.records.ShardedParam.local`: a plain tensor over the local shard's
@@ -29,7 +29,7 @@ Its backward hands each gradient to the parameter in one of two ways:
   the gradient is added in place to the local tensor of an existing ``.grad`` on that spec.
   This skips, per parameter and step, a Python call of the node and ``AccumulateGrad``'s
   ``detach()`` of a DTensor (a Python dispatch): most of what the gradients cost the host at
-  world 1 (``docs/benchmark.md``).
+  world 1 (``docs/benchmark-log.md``).
 - **Through autograd** otherwise: the node returns the DTensor and the parameter's own
   ``AccumulateGrad`` takes it from there, so everything autograd does with a parameter
   still holds: its hooks, ``torch.autograd.grad(loss, params)``, ``create_graph``. Under
