@@ -7,6 +7,7 @@ from being magnified the way Adam does for parameters whose true gradient is zer
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ import torch
 import torch.distributed as dist
 from dist_utils import full_state
 from torch import nn
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 
 import graphshard
 from graphshard.models.llama import Llama, llama_config
@@ -178,11 +182,33 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+# torch._inductor.config.cpp_wrapper on and every block compiled inline (a compile region
+# is beyond torch's C++ wrapper): the forward, gathers included, is wrapped in C++; the
+# backward, whose gloo all-to-alls the wrapper cannot call, keeps the Python wrapper and says
+# so. Inductor's caches are off, so every graph is generated (and its source read) here.
+CPP_WRAPPER = "cpp_wrapper"
+
+
 def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str = "default"):
     """Train ``case`` sharded (``mode`` = "eager" or "compiled" with backend ``variant``);
     losses are rank means."""
+    if variant != CPP_WRAPPER:
+        return _train_sharded(rank, world_size, case, mode, variant)
+    with functorch_config.patch(enable_autograd_cache=False), \
+            inductor_config.patch(fx_graph_cache=False, cpp_wrapper=True), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, code = run_and_get_code(_train_sharded, rank, world_size, case, mode, "default",
+                                        compile_blocks_once=False)
+    result["cpp_wrapped"] = ["inductor_entry_impl" in source for source in code]
+    result["wrapper_warnings"] = [str(w.message) for w in caught if "cpp_wrapper" in str(w.message)]
+    return result
+
+
+def _train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str,
+                   **shard_options) -> dict:
     torch._dynamo.reset()
-    model = graphshard.shard(build(case))
+    model = graphshard.shard(build(case), **shard_options)
     backend = graphshard.backend(**VARIANTS[variant])
     run = torch.compile(model, backend=backend) if mode == "compiled" else model
     opt = _optimizer(model)

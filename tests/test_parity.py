@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_ranks
-from parity import CASES, assert_matches, run_jobs, train_reference
+from parity import CASES, CPP_WRAPPER, assert_matches, run_jobs, train_reference
 
 MODES = ("eager", "compiled")
 WORLD2_JOBS = [(case, mode) for case in CASES if case not in ("odd_params", "llama_untied_labels")
@@ -28,6 +28,7 @@ VARIANT_JOBS = [
     ("llama_tied", "compiled", "auto"),
     ("llama_untied", "compiled", "auto_capped"),
     ("llama_tied", "compiled", "rs_collective"),
+    ("mlp_odd", "compiled", CPP_WRAPPER),
 ]
 
 
@@ -58,6 +59,21 @@ def test_world2_schedule_variants_match_single_process(world2, job):
     reference = train_reference(job[0], 2)
     for rank_results in world2:
         assert_matches(rank_results[job], reference)
+
+
+def test_cpp_wrapper_wraps_the_forward_and_says_why_the_backward_keeps_python(world2):
+    """``torch._inductor.config.cpp_wrapper`` on 2 gloo ranks, the blocks inline
+    (``tests/test_cpp_wrapper.py`` at one rank): the forward with its gathers is wrapped in
+    C++; the backward holds gloo's all-to-alls, which torch's C++ wrapper cannot call."""
+    for rank_results in world2:
+        result = rank_results[("mlp_odd", "compiled", CPP_WRAPPER)]
+        assert result["cpp_wrapped"] == [True, False], result["cpp_wrapped"]
+        (warning,) = set(result["wrapper_warnings"])
+        assert "all_to_all_single" in warning and "reduce_scatter_via='reduce_scatter'" in warning
+        python_wrapped = rank_results[("mlp_odd", "compiled")]  # the same kernels: same bits
+        assert result["losses"] == python_wrapped["losses"]
+        for key, value in python_wrapped["state"].items():
+            assert torch.equal(result["state"][key], value), key
 
 
 def test_gloo_reduce_scatters_run_as_all_to_all_with_the_same_bits(world2):

@@ -39,6 +39,7 @@ from graphshard.compiler.inductor_joint import inductor_joint_passes
 from graphshard.compiler.pipeline import record_group_facts, run_passes
 from graphshard.compiler.region_schemas import cached_region_schemas
 from graphshard.compiler.share import CompileShare, share_from_default_group
+from graphshard.compiler.wrapper_choice import compile_with_wrapper_choice
 from graphshard.errors import (
     GraphshardNotImplementedError,
     GraphshardTypeError,
@@ -86,18 +87,21 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
     gm = _detached_copy(gm)
 
-    def compile_() -> Any:
+    def compile_(flags: dict[str, Any]) -> Any:
         # Inductor's peak-memory reordering would undo the collective schedule the passes
         # chose. Meshes among the inputs must not carry a per-process hash into the FX-cache
         # key; nor the plan (``aot_cache``): the passes' output is the whole story there.
         # Region bodies must not donate their inputs (a torch bug: region_donation.py).
         with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash(), \
                 plan_out_of_fx_key(), regions_donate_no_inputs():
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            return compile_fx_inner(gm, example_inputs, **flags)
 
-    if share is None:
-        return compile_()
-    return share.compile(gm, example_inputs, compile_, **kwargs)
+    def compile_among_ranks(flags: dict[str, Any]) -> Any:
+        if share is None:
+            return compile_(flags)
+        return share.compile(gm, example_inputs, lambda: compile_(flags), **flags)
+
+    return compile_with_wrapper_choice(gm, kwargs, compile_among_ranks)
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
