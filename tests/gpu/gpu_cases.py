@@ -225,6 +225,31 @@ def case_compile_mode(world: World) -> None:
     assert cause is not None, repr(raised.value)
 
 
+def case_cpp_wrapper(world: World, precision: str) -> None:
+    """``torch._inductor.config.cpp_wrapper`` (``graphshard/compiler/wrapper_choice.py``):
+    with the blocks compiled inline, graphs whose operations torch's C++ wrapper can call are
+    wrapped in C++ (NCCL's collectives included) and train like one process; with the default
+    compile regions the graphs keep the Python wrapper and a warning says why."""
+    import warnings
+
+    from torch._inductor import config as inductor_config
+
+    job = llama_job()
+    for blocks_once in (False, True):
+        with inductor_config.patch(cpp_wrapper=True), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = train(world, shard_job(world, job, precision, compile_blocks_once=blocks_once),
+                        job, "compiled")
+        ref = reference(job, world.device, precision=precision, shapes=out.local_shapes)
+        check(out, ref, precision, _what(world, "compiled", "cpp_wrapper", precision))
+        said = [str(w.message) for w in caught if "cpp_wrapper is set" in str(w.message)]
+        if blocks_once:
+            assert any("compile_blocks_once=False" in s for s in said), said
+        else:
+            assert not any("compile region" in s for s in said), said
+
+
 # --------------------------------------------------------------------------- building, loading
 
 

@@ -1,7 +1,7 @@
 """CUDA, NCCL world 1: training against one process, eager and compiled: fp32, bf16 and
 fp16 mixed precision, ``no_sync`` gradient accumulation, activation checkpointing,
-``clip_grad_norm_`` on the local path against DTensor's, and ``torch.compile``'s mode for
-Inductor."""
+``clip_grad_norm_`` on the local path against DTensor's, ``torch.compile``'s mode for
+Inductor, and Inductor's C++ wrapper."""
 
 from __future__ import annotations
 
@@ -40,3 +40,7 @@ def test_clip_grad_norm(nccl_world, mode):
 
 def test_compile_mode(nccl_world):
     gpu_cases.case_compile_mode(nccl_world)
+
+
+def test_cpp_wrapper(nccl_world):
+    gpu_cases.case_cpp_wrapper(nccl_world, "bf16")
