@@ -9,7 +9,7 @@
 #   OUT=/some/dir bash bench/gpu_check.sh            # tier+warm, bench1, offload, bench8, eager8
 #   STAGES="medium" DEADLINE_S=200 bash bench/gpu_check.sh   # a second call: llama-medium
 #   TIER_S=200 BENCH1_S=100 bash bench/gpu_check.sh   # other limits per stage (seconds)
-#   TIER_K="activation_checkpointing or compile_mode" bash bench/gpu_check.sh
+#   TIER_K="activation_checkpointing or compile_mode or cpp_wrapper" bash bench/gpu_check.sh
 #        # the tier's cases that pytest -k selects (a rerun of the ones a fix touched)
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh       # print each command, run nothing
 #   OUT=$OUT RESULTS=/tmp/r bash bench/gpu_check.sh   # results in /tmp/r, packed after each
