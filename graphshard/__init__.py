@@ -20,6 +20,7 @@ from graphshard.api.offload import CPUOffload
 from graphshard.api.sharding import shard
 from graphshard.compiler.backend import GraphshardBackend, backend
 from graphshard.compiler.graph_breaks import GraphBreakWarning
+from graphshard.compiler.wrapper_choice import PythonWrapperWarning
 from graphshard.errors import GraphshardError
 from graphshard.safety.failures import RankFailureError, report_rank_failures
 from graphshard.safety.fingerprint import PlanMismatchError
@@ -53,6 +54,7 @@ __all__ = [
     "GraphBreakWarning",
     "BlockInlinedWarning",
     "EagerForwardWarning",
+    "PythonWrapperWarning",
     "MixedPrecision",
     "load_safetensors",
     "init_non_persistent_buffers",

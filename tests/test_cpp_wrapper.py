@@ -79,8 +79,8 @@ def test_compile_regions_keep_the_python_wrapper_and_the_warning_says_what_to_ch
     reference = _llama()
     reference_losses, _ = _train(reference, cpp_wrapper=False)
     model = _llama()
-    with pytest.warns(UserWarning, match=r"cpp_wrapper is set.*compile region.*"
-                                         r"compile_blocks_once=False"):
+    with pytest.warns(graphshard.PythonWrapperWarning,
+                      match=r"cpp_wrapper is set.*compile region.*compile_blocks_once=False"):
         losses, code = _train(model, cpp_wrapper=True)
     assert len(code) == 2 and not any(_CPP in c for c in code)
     _assert_same_training(model, losses, reference, reference_losses)
@@ -93,7 +93,8 @@ def test_a_refusal_not_foreseen_is_compiled_again_with_the_python_wrapper(one_ra
     reference = _llama()
     reference_losses, _ = _train(reference, cpp_wrapper=False)
     model = _llama()
-    with pytest.warns(UserWarning, match=r"C\+\+ wrapper refused this graph .*invoke_subgraph"):
+    with pytest.warns(graphshard.PythonWrapperWarning,
+                      match=r"C\+\+ wrapper refused this graph .*invoke_subgraph"):
         losses, code = _train(model, cpp_wrapper=True)
     assert not any(_CPP in c for c in code)
     _assert_same_training(model, losses, reference, reference_losses)

@@ -33,9 +33,17 @@ from typing import Any, TypeVar
 import torch
 from torch import fx
 
-__all__ = ["cpp_wrapper_blockers", "compile_with_wrapper_choice"]
+__all__ = ["PythonWrapperWarning", "cpp_wrapper_blockers", "compile_with_wrapper_choice"]
 
 _T = TypeVar("_T")
+
+
+
+class PythonWrapperWarning(UserWarning):
+    """``torch._inductor.config.cpp_wrapper`` is set, but a graph keeps Inductor's Python
+    wrapper: torch's C++ wrapper cannot call one of its operations. The message names it
+    and what to change."""
+
 
 _WHY = "torch._inductor.config.cpp_wrapper is set, but torch's C++ wrapper"
 _KEEPS = "this graph keeps Inductor's Python wrapper"
@@ -110,7 +118,7 @@ def compile_with_wrapper_choice(gm: fx.GraphModule, kwargs: dict[str, Any],
     blockers = cpp_wrapper_blockers(gm)
     if blockers:
         for reason in blockers:
-            warnings.warn(reason, stacklevel=2)
+            warnings.warn(reason, PythonWrapperWarning, stacklevel=2)
         return compile_fn({**kwargs, "cpp_wrapper": False})
     try:
         with _cpp_wrapper_config():
@@ -118,5 +126,6 @@ def compile_with_wrapper_choice(gm: fx.GraphModule, kwargs: dict[str, Any],
     except Exception as error:  # Inductor wraps the refusal in its own error type
         if not _refused_by_cpp_wrapper(error):
             raise
-        warnings.warn(f"{_WHY} refused this graph ({error}); {_KEEPS}.", stacklevel=2)
+        warnings.warn(f"{_WHY} refused this graph ({error}); {_KEEPS}.", PythonWrapperWarning,
+                      stacklevel=2)
         return compile_fn({**kwargs, "cpp_wrapper": False})
