@@ -75,29 +75,28 @@ def test_graphs_torch_can_wrap_in_cpp_are_wrapped_in_cpp_and_train_alike(one_ran
     _assert_same_training(model, losses, reference, reference_losses)
 
 
-def test_compile_regions_keep_the_python_wrapper_and_the_warning_says_what_to_change(one_rank):
+def _assert_python_wrapped_with_a_warning(match: str) -> None:
+    """The default Llama (blocks as compile regions) compiled with ``cpp_wrapper`` on warns
+    ``match``, keeps the Python wrapper for both graphs and trains as with it off."""
     reference = _llama()
     reference_losses, _ = _train(reference, cpp_wrapper=False)
     model = _llama()
-    with pytest.warns(graphshard.PythonWrapperWarning,
-                      match=r"cpp_wrapper is set.*compile region.*compile_blocks_once=False"):
+    with pytest.warns(graphshard.PythonWrapperWarning, match=match):
         losses, code = _train(model, cpp_wrapper=True)
     assert len(code) == 2 and not any(_CPP in c for c in code)
     _assert_same_training(model, losses, reference, reference_losses)
+
+
+def test_compile_regions_keep_the_python_wrapper_and_the_warning_says_what_to_change(one_rank):
+    _assert_python_wrapped_with_a_warning(
+        r"cpp_wrapper is set.*compile region.*compile_blocks_once=False")
 
 
 def test_a_refusal_not_foreseen_is_compiled_again_with_the_python_wrapper(one_rank, monkeypatch):
     """Where torch's C++ wrapper refuses an operation graphshard does not know of, the graph
     is compiled again with the Python wrapper, and the warning quotes torch."""
     monkeypatch.setattr(wrapper_choice, "_known_blockers", dict)
-    reference = _llama()
-    reference_losses, _ = _train(reference, cpp_wrapper=False)
-    model = _llama()
-    with pytest.warns(graphshard.PythonWrapperWarning,
-                      match=r"C\+\+ wrapper refused this graph .*invoke_subgraph"):
-        losses, code = _train(model, cpp_wrapper=True)
-    assert not any(_CPP in c for c in code)
-    _assert_same_training(model, losses, reference, reference_losses)
+    _assert_python_wrapped_with_a_warning(r"C\+\+ wrapper refused this graph .*invoke_subgraph")
 
 
 def test_other_errors_of_a_cpp_wrapped_compile_are_raised_as_they_are(one_rank, monkeypatch):
