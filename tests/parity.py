@@ -201,7 +201,8 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str
         result, code = run_and_get_code(_train_sharded, rank, world_size, case, mode, "default",
                                         compile_blocks_once=False)
     result["cpp_wrapped"] = ["inductor_entry_impl" in source for source in code]
-    result["wrapper_warnings"] = [str(w.message) for w in caught if "cpp_wrapper" in str(w.message)]
+    result["wrapper_warnings"] = [str(w.message) for w in caught
+                                  if issubclass(w.category, graphshard.PythonWrapperWarning)]
     return result
 
 

@@ -7,6 +7,7 @@ said so. On 2 gloo ranks: ``tests/test_parity.py`` (the ``cpp_wrapper`` variant)
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -69,7 +70,7 @@ def test_graphs_torch_can_wrap_in_cpp_are_wrapped_in_cpp_and_train_alike(one_ran
     assert len(python_code) == 2 and not any(_CPP in code for code in python_code)
     model = _llama(compile_blocks_once=False)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*cpp_wrapper")
+        warnings.simplefilter("error", graphshard.PythonWrapperWarning)
         losses, code = _train(model, cpp_wrapper=True)
     assert len(code) == 2 and all(_CPP in c for c in code)  # forward and backward
     _assert_same_training(model, losses, reference, reference_losses)
@@ -99,23 +100,32 @@ def test_a_refusal_not_foreseen_is_compiled_again_with_the_python_wrapper(one_ra
     _assert_python_wrapped_with_a_warning(r"C\+\+ wrapper refused this graph .*invoke_subgraph")
 
 
-def test_other_errors_of_a_cpp_wrapped_compile_are_raised_as_they_are(one_rank, monkeypatch):
-    """A C++-wrapped compile that fails for another reason (here: a made-up compiler error)
-    is not retried with the Python wrapper: the error is the user's to see."""
+@pytest.mark.parametrize("error", [RuntimeError("g++ failed"),
+                                   NotImplementedError("no rule for this cpp wrapper op")],
+                         ids=["compiler", "not-implemented-elsewhere"])
+def test_other_errors_of_a_cpp_wrapped_compile_are_raised_as_they_are(one_rank, monkeypatch,
+                                                                      error):
+    """A C++-wrapped compile that fails for another reason (made-up errors: a compiler's,
+    and a ``NotImplementedError`` raised outside Inductor's C++ wrapper code generation) is
+    not retried with the Python wrapper: the error is the user's to see."""
     from torch._inductor import compile_fx
 
     real = compile_fx.compile_fx_inner
 
     def failing(gm, example_inputs, **kwargs):
         if kwargs.get("cpp_wrapper"):
-            raise RuntimeError("g++ failed")
+            raise error
         return real(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", failing)
     run = torch.compile(_llama(compile_blocks_once=False), backend=graphshard.backend())
     tokens = torch.zeros(2, 8, dtype=torch.long)
-    with inductor_config.patch(cpp_wrapper=True), pytest.raises(Exception, match="g\\+\\+ failed"):
+    with inductor_config.patch(cpp_wrapper=True), \
+            warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(Exception, match=re.escape(str(error))):
+        warnings.simplefilter("always")
         run(tokens, tokens)
+    assert not [w for w in caught if issubclass(w.category, graphshard.PythonWrapperWarning)]
 
 
 def test_gloos_all_to_all_is_named_as_a_blocker(fake2):

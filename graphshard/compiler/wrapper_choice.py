@@ -26,6 +26,8 @@ the warning quotes torch's refusal.
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -82,14 +84,23 @@ def cpp_wrapper_blockers(gm: fx.GraphModule) -> list[str]:
     return reasons
 
 
-def _refused_by_cpp_wrapper(error: BaseException) -> bool:
-    """Whether ``error`` (Inductor's, which wraps the cause) is the C++ wrapper's refusal
-    of an operation it has no code for."""
+def _refused_by_cpp_wrapper(error: BaseException | None) -> bool:
+    """Whether ``error`` (Inductor's, which wraps the cause) is the C++ wrapper's refusal:
+    a ``NotImplementedError`` raised in Inductor's C++ wrapper code generation."""
     while error is not None:
-        if isinstance(error, NotImplementedError) and "wrapper" in str(error):
+        if isinstance(error, NotImplementedError) and _raised_in(error, _CPP_WRAPPER_CODEGEN):
             return True
         error = error.__cause__ or getattr(error, "inner_exception", None)
     return False
+
+
+_CPP_WRAPPER_CODEGEN = os.path.join("_inductor", "codegen", "cpp_wrapper")
+
+
+def _raised_in(error: BaseException, path_part: str) -> bool:
+    """Whether ``error`` was raised in a file whose path holds ``path_part``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and path_part in frames[-1].filename
 
 
 @contextlib.contextmanager
