@@ -43,7 +43,13 @@
 #            docs/cpu-offload.md); not a default stage
 #   bench8   fake world of 8, llama-1b in bf16: graphshard against SimpleFSDP's block and
 #            auto bucketing (where torchtitan is installed; auto's estimator needs the fake
-#            world's registered device type)
+#            world's registered device type). On a machine where nothing installs, carry
+#            torchtitan as wheels, fetched beforehand where pip reaches an index:
+#              pip download --no-deps -d .whl torchtitan==0.3.0 spmd_types tyro \
+#                docstring_parser typeguard
+#            and install them there first:
+#              pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+#              export PYTHONPATH=/tmp/site
 #   eager8   fake world of 8, llama-1b in bf16, eager: graphshard (a bucket at a time, each
 #            gather issued a bucket ahead), with reshard_after_forward=False, against FSDP2
 #   medium   world 1, llama-medium in fp32, batch 8x512: graphshard against one process
