@@ -144,6 +144,66 @@ ARCHITECTURES: dict[str, Architecture] = {
         activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=1, use_cache=False), "speech",
         "a Conv1d audio front end, fixed sinusoidal positions, encoder-decoder"),
+    "qwen3": Architecture(_causal(
+        "Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8), "tokens",
+        "a norm on each head's queries and keys"),
+    "qwen3_moe": Architecture(_causal(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "tokens",
+        "experts stored as 3-D parameters (experts x rows x columns), top-2 routing"),
+    "gemma3": Architecture(_causal(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=2, head_dim=8,
+        sliding_window=4, attn_implementation="eager"), "tokens",
+        "local and global layers with rotary tables of their own, query and key norms"),
+    "llama4": Architecture(_causal(
+        "Llama4TextConfig", "Llama4ForCausalLM", num_hidden_layers=4, num_key_value_heads=2,
+        head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64,
+        attention_chunk_size=4), "tokens",
+        "a routed and a shared expert, chunked attention, layers without rotary"),
+    "deepseek_v3": Architecture(_causal(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", num_hidden_layers=3,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_shared_experts=1), "tokens",
+        "multi-head latent attention, a dense first layer before the expert layers, "
+        "grouped routing"),
+    "gpt_oss": Architecture(_causal(
+        "GptOssConfig", "GptOssForCausalLM", num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        attn_implementation="eager"), "tokens",
+        "attention sinks (a parameter per head), biased 3-D experts, sliding layers"),
+    "olmo2": Architecture(_causal(
+        "Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2, pad_token_id=0,
+        eos_token_id=2), "tokens", "norms after attention and MLP, query and key norms"),
+    "mamba2": Architecture(_built(
+        "Mamba2ForCausalLM", "Mamba2Config", vocab_size=VOCAB, hidden_size=32,
+        num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1, expand=2,
+        conv_kernel=4, chunk_size=4, use_cache=False), "tokens",
+        "state-space duality: a chunked scan, gated RMS norm"),
+    "qwen3_next": Architecture(_causal(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM", num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, full_attention_interval=2), "tokens",
+        "gated delta-rule linear attention and full attention in turn (blocks that differ)"),
+    "jamba": Architecture(_causal(
+        "JambaConfig", "JambaForCausalLM", num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=4), "tokens",
+        "Mamba and attention layers, dense and expert MLPs, in turn"),
+    "lfm2": Architecture(_causal(
+        "Lfm2Config", "Lfm2ForCausalLM", num_key_value_heads=2, block_ff_dim=64,
+        layer_types=["conv", "full_attention"], conv_L_cache=3), "tokens",
+        "gated short convolutions and attention in turn"),
+    "modernbert": Architecture(_built(
+        "ModernBertForMaskedLM", "ModernBertConfig", vocab_size=VOCAB, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+        "tokens", "local and global attention in turn, a GLU MLP, an encoder"),
 }
 
 

@@ -18,6 +18,7 @@ from graphshard.passes.merge_reduce_grad import merge_reduce_grad
 from graphshard.passes.overlap_reduce import overlap_reduce
 from graphshard.passes.plan import Bucket, Plan, collect_buckets
 from graphshard.passes.prefetch import prefetch
+from graphshard.passes.region_conj import resolve_region_operand_views
 from graphshard.passes.region_sizes import sizes_outside_regions
 from graphshard.passes.regions import (
     parameters_first_in_regions,
@@ -52,6 +53,7 @@ __all__ = [
     "prefetch",
     "read_shared_region_outputs_once",
     "reshard",
+    "resolve_region_operand_views",
     "rewire_region_passthrough",
     "split_last_reduce",
     "shard_copy_stream",

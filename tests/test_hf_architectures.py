@@ -9,8 +9,11 @@ and compiled, train as one process does (one launch; the models, batches and tra
   attention.
 
 The others (GPT-2, GPT-NeoX, Gemma 2, Phi-3, Qwen2, Mixtral, OPT, BLOOM, Falcon,
-GPTBigCode, BERT, ViT, Whisper) are left to the tool: each adds its compiles to the suite
-for structures close to these and to Llama's (their figures: docs/large-models.md).
+GPTBigCode, BERT, ViT, Whisper, Qwen3, Qwen3-MoE, Gemma 3, Llama 4, DeepSeek-V3, gpt-oss,
+OLMo 2, Mamba-2, Qwen3-Next, Jamba, LFM2, ModernBERT) are left to the tool: each adds its
+compiles to the suite for structures close to these and to Llama's (their figures:
+docs/large-models.md). Llama 4's complex rotary tables have a test of their own
+(``tests/test_region_conj.py``).
 """
 
 from __future__ import annotations
@@ -88,3 +91,17 @@ def test_the_verdict_names_a_difference_and_a_failure():
                                 {"architecture": "vit", "mode": "compiled", "ok": False,
                                  "loss_rel": 0.0, "state_abs": 0.5}])
     assert "eager failed: RuntimeError: boom" in text and "**compiled differs**" in text
+
+
+def test_every_architecture_the_tool_lists_builds_and_gives_a_loss():
+    """Each config of ``bench.architectures`` still builds with the installed transformers,
+    and its batch gives a finite loss that reaches every parameter (one process, one forward
+    and backward), so that the tool's list does not rot between its runs."""
+    pytest.importorskip("transformers")
+    for name in architectures.ARCHITECTURES:
+        model = architectures.build(name)
+        loss = model(**architectures.batch(name, 0, 0)).loss
+        assert torch.isfinite(loss), name
+        loss.backward()
+        unreached = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert not unreached, (name, unreached)

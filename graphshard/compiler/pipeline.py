@@ -19,16 +19,19 @@ Stages and their passes (each dumped before and after when a dump directory is s
   from the previous optimizer step), ``shard_copy_stream`` (on by default: offloaded
   shards go to the device on a copy stream, a bucket ahead), ``sizes_outside_regions`` (an
   op outside a block region that reads a size the region returned reads the graph's own
-  size input instead: Inductor cannot take the region's as a size), ``gloo_gathers`` (on
+  size input instead: Inductor cannot take the region's as a size),
+  ``resolve_region_operand_views`` (a region operand with the conjugate or negative bit,
+  which ``invoke_subgraph`` has no kernel for, is cloned first), ``gloo_gathers`` (on
   gloo groups, each all-gather becomes the single-tensor one: gloo's coalesced one corrupts
   the heap beside another collective in flight);
 - ``inference``: ``fold_views``, ``assign_buckets``, ``lower_unshard``, ``prefetch``,
-  ``shard_copy_stream``, ``sizes_outside_regions``, ``gloo_gathers``;
+  ``shard_copy_stream``, ``sizes_outside_regions``, ``resolve_region_operand_views``,
+  ``gloo_gathers``;
 - ``bw``: ``lower_unshard`` (the re-gather), ``split_last_reduce`` (early gradients of the
   last buckets reduced on their own), ``lower_reduce_grad``, ``prefetch``, ``overlap_reduce``,
   ``grad_copy_stream`` (on by default: offloaded gradients go to the host on a copy
   stream, waited for once), ``shard_copy_stream``, ``sizes_outside_regions``,
-  ``gloo_gathers``.
+  ``resolve_region_operand_views``, ``gloo_gathers``.
 Markers are lowered only after partitioning: the partitioner force-saves plain collectives.
 """
 
@@ -59,6 +62,7 @@ from graphshard.passes import (
     prefetch,
     read_shared_region_outputs_once,
     reshard,
+    resolve_region_operand_views,
     rewire_region_passthrough,
     shard_copy_stream,
     sizes_outside_regions,
@@ -79,11 +83,12 @@ PIPELINE: dict[str, list[Pass]] = {
     "joint": [rewire_region_passthrough, read_shared_region_outputs_once, fold_views,
               merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions,
-           gloo_gathers],
+           resolve_region_operand_views, gloo_gathers],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream,
-                  sizes_outside_regions, gloo_gathers],
+                  sizes_outside_regions, resolve_region_operand_views, gloo_gathers],
     "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
-           grad_copy_stream, shard_copy_stream, sizes_outside_regions, gloo_gathers],
+           grad_copy_stream, shard_copy_stream, sizes_outside_regions,
+           resolve_region_operand_views, gloo_gathers],
 }
 
 def run_passes(stage: str, gm: fx.GraphModule, plan: Plan, dumper: GraphDumper,
