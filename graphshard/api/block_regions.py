@@ -421,13 +421,24 @@ def _unmark_inside(block: nn.Module) -> None:
             sub.__class__ = _unmarked_class(type(sub))
 
 
+def _state_buffers(block: nn.Module) -> bool:
+    """Whether ``block`` holds a persistent buffer: model state that training may update
+    (BatchNorm's running statistics), which a region cannot (``invoke_subgraph`` takes no
+    in-place update of its inputs in training). Non-persistent buffers are caches computed
+    at init and only read (torchtitan's rotary tables, one per attention): a region takes
+    them as operands."""
+    return any(name not in sub._non_persistent_buffers_set
+               for sub in block.modules() for name, buf in sub._buffers.items()
+               if buf is not None)
+
+
 def _servable(block: nn.Module) -> bool:
     """Whether ``block`` can run as a region: a composite module (a lone layer gains
-    nothing), without buffers (a region cannot update one in training, e.g. BatchNorm's
-    running statistics), tensor-parallel parameters or an instance-level ``forward``."""
+    nothing), without persistent buffers (:func:`_state_buffers`), tensor-parallel
+    parameters or an instance-level ``forward``."""
     if "forward" in block.__dict__ or next(block.children(), None) is None:
         return False
-    if next(block.buffers(), None) is not None:
+    if _state_buffers(block):
         return False
     for sub in block.modules():
         for entry, _ in (sub.__dict__.get("_graphshard_specs") or {}).values():

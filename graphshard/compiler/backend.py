@@ -12,7 +12,7 @@ import contextlib
 import functools
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -42,6 +42,7 @@ from graphshard.compiler.share import CompileShare, share_from_default_group
 from graphshard.compiler.wrapper_choice import compile_with_wrapper_choice
 from graphshard.errors import (
     GraphshardNotImplementedError,
+    GraphshardRuntimeError,
     GraphshardTypeError,
     GraphshardValueError,
 )
@@ -424,7 +425,8 @@ class GraphshardBackend:
             partition_fn=partition,
             decompositions=select_decomp_table(),
         )
-        with key, meshes_pickle_without_hash(), cached_region_schemas():
+        with key, meshes_pickle_without_hash(), cached_region_schemas(), \
+                _region_mutations_named():
             return compiler(gm, example_inputs)  # compiles the forward (backward: lazily)
 
     def _resolve_share(self) -> CompileShare | None:
@@ -435,6 +437,29 @@ class GraphshardBackend:
                 self.share = share_from_default_group(
                     self.share_timeout_s, transfer=self.share_compiled is True)
         return self.share
+
+
+# What AOTAutograd raises for a region that updates one of its inputs in training.
+_REGION_MUTATION = "invoke_subgraph HigherOrderOperator does not currently support training"
+
+
+@contextlib.contextmanager
+def _region_mutations_named() -> Iterator[None]:
+    """AOTAutograd's refusal of a block region that updates a buffer in training (a
+    non-persistent buffer, which graphshard takes for a read-only cache) becomes an error
+    that says what to change; other errors pass as they are."""
+    try:
+        yield
+    except RuntimeError as e:
+        if _REGION_MUTATION not in str(e):
+            raise
+        raise GraphshardRuntimeError(
+            "a block of the model updates a buffer in training (an in-place write to a "
+            "buffer registered with persistent=False, which graphshard runs as a read-only "
+            "operand of the block's compile region); torch's block regions cannot replay "
+            "that update. Compile the blocks inline with graphshard.shard(model, "
+            "compile_blocks_once=False), or register the buffer as persistent (blocks with "
+            f"persistent buffers run inline). torch: {str(e).splitlines()[0]}") from e
 
 
 def backend(**options: Any) -> GraphshardBackend:
