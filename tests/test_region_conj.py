@@ -7,6 +7,7 @@ AOTAutograd computes once outside the blocks as a view with the conjugate bit. t
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -49,11 +50,13 @@ def test_llama4s_complex_rotary_blocks_stay_regions_and_train_like_eager(one_ran
         reference.zero_grad()
     (graphs,) = backend.graphs
     # the rotary layers share one region; the last layer, without rotary, is a block of
-    # its own, which Dynamo inlines (one call: inline_single_use_invoke_subgraph)
+    # its own (a region of its own on torch 2.11; inlined by torch 2.13's Dynamo, as a
+    # region called once: inline_single_use_invoke_subgraph)
     layers = sum(bool(layer.self_attn.use_rope) for layer in reference.model.layers)
     assert layers == 3
     for stage in ("fw", "bw"):
-        assert len(list(region_calls(graphs[stage]))) == layers, stage
+        bodies = Counter(call.args[1] for call in region_calls(graphs[stage]))
+        assert max(bodies.values()) == layers, (stage, bodies)
         values = _operand_values(graphs[stage])
         assert values and not any(v.is_conj() or v.is_neg() for v in values), stage
     # the backward's conjugate table, one view: cloned once, read by every block
