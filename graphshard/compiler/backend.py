@@ -456,8 +456,9 @@ def _region_mutations_named() -> Iterator[None]:
         raise GraphshardRuntimeError(
             "a block of the model updates a buffer in training (an in-place write to a "
             "buffer registered with persistent=False, which graphshard runs as a read-only "
-            "operand of the block's compile region); torch's block regions cannot replay "
-            "that update. Compile the blocks inline with graphshard.shard(model, "
+            "operand of the block's compile region, or to another of the block's inputs); "
+            "torch's block regions cannot replay that update. Compile the blocks inline "
+            "with graphshard.shard(model, "
             "compile_blocks_once=False), or register the buffer as persistent (blocks with "
             f"persistent buffers run inline). torch: {str(e).splitlines()[0]}") from e
 
