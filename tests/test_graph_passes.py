@@ -166,6 +166,7 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "dynamo_01_inline_unsupported_regions.txt",
         "dynamo_02_dedupe_unshard.txt",
         "dynamo_03_parameters_first_in_regions.txt",
+        "dynamo_04_resolve_region_operand_views.txt",
         "fw_00_input.txt",
         "fw_01_lower_unshard.txt",
         "fw_02_prefetch.txt",

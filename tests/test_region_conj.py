@@ -1,7 +1,8 @@
 """Block regions given a conjugate view: Hugging Face's Llama 4 multiplies its queries and
 keys by complex rotary tables, so every block's backward takes the table's conjugate, which
 AOTAutograd computes once outside the blocks as a view with the conjugate bit. torch's
-``invoke_subgraph`` has no kernel for that bit; graphshard hands the regions a clone
+``invoke_subgraph`` has no kernel for that bit (nor for the negative one, which a model can
+pass its blocks itself); graphshard hands the regions a clone
 (``graphshard/passes/region_conj.py``), and the blocks stay regions, compiled once."""
 
 from __future__ import annotations
@@ -93,3 +94,45 @@ def test_the_pass_clones_each_lazy_view_once_before_its_first_region(fake2):
             assert not new_arg.meta["val"].is_conj()
             assert order[new_arg] < min(order[c] for c in new_arg.users)
     assert not any(v.is_conj() or v.is_neg() for v in _operand_values(bw))
+
+
+class _ScaledBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x) * scale))
+
+
+class _NegativeViewModel(torch.nn.Module):
+    """Every block is called with the imaginary part of a conjugate: a view with the
+    negative bit, which ``invoke_subgraph`` has no kernel for either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.layers = torch.nn.ModuleList(_ScaledBlock() for _ in range(3))
+        self.register_buffer("table", torch.randn(4, dtype=torch.cfloat), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, scale = self.embed(tokens), self.table.conj().imag
+        for layer in self.layers:
+            x = layer(x, scale)
+        return x.square().mean()
+
+
+def test_blocks_called_with_a_negative_view_train_like_eager(one_rank):
+    torch.manual_seed(0)
+    reference = _NegativeViewModel()
+    model = graphshard.shard(copy.deepcopy(reference))
+    backend = graphshard.backend(inductor=False)
+    tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    torch.compile(model, backend=backend)(tokens).backward()
+    reference(tokens).backward()
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(),
+                                 strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+    (graphs,) = backend.graphs
+    assert len(list(region_calls(graphs["fw"]))) == 3
+    assert not any(v.is_neg() or v.is_conj() for v in _operand_values(graphs["fw"]))

@@ -5,7 +5,7 @@ Stages and their passes (each dumped before and after when a dump directory is s
   which ``invoke_subgraph`` refuses, becomes inline code), ``dedupe_unshard`` (one marker
   per shard, so tied weights gather once),
   ``parameters_first_in_regions`` (a block region's gathered parameters become its first
-  inputs, which its partitioner relies on);
+  inputs, which its partitioner relies on), ``resolve_region_operand_views`` (below);
 - ``joint``: ``rewire_region_passthrough`` (a block region's parameter operand, saved for its
   backward, is read as the operand, so it is gathered again rather than kept),
   ``read_shared_region_outputs_once`` (region outputs that share storage, a result returned
@@ -79,7 +79,8 @@ __all__ = ["PIPELINE", "Pass", "run_passes", "record_group_facts"]
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 PIPELINE: dict[str, list[Pass]] = {
-    "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions],
+    "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions,
+               resolve_region_operand_views],
     "joint": [rewire_region_passthrough, read_shared_region_outputs_once, fold_views,
               merge_reduce_grad, assign_buckets, reshard],
     "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions,
