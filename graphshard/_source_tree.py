@@ -4,12 +4,15 @@ The graph passes live in the repository's root folder ``passes/``; an install ma
 to ``graphshard.passes`` (``package-dir`` in pyproject.toml, also under ``pip install -e``).
 Run straight from a checkout (``PYTHONPATH=<repo>``, as on a machine where nothing is
 installed) there is no ``graphshard/passes`` to find, so this mounts the sibling folder under
-the same name. It never adds a top-level ``passes`` to ``sys.modules``: a user's own
-``graphshard.passes.py`` stays theirs.
+the same name. So it does where an editable install of another checkout provides
+``graphshard.passes``: the package and its passes then always come from one tree (a second
+clone on ``PYTHONPATH`` ran the first clone's passes before). It never adds a top-level
+``passes`` to ``sys.modules``: a user's own ``graphshard.passes.py`` stays theirs.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -17,11 +20,25 @@ from pathlib import Path
 _NAME = "graphshard.passes"
 
 
+def _another_checkouts(spec: importlib.machinery.ModuleSpec, root: Path) -> bool:
+    """Whether ``spec`` (the ``graphshard.passes`` an install provides) lies outside ``root``,
+    the source checkout this ``graphshard`` was imported from: an editable install of another
+    checkout, whose passes would otherwise run with this checkout's package."""
+    if not (root / "pyproject.toml").is_file() or spec.origin is None:
+        return False  # not a checkout (an installed package), or nothing to compare
+    return not Path(spec.origin).resolve().is_relative_to(root)
+
+
 def mount_passes() -> None:
-    """Import ``<repo>/passes`` as ``graphshard.passes`` unless an install already provides it."""
-    if _NAME in sys.modules or importlib.util.find_spec(_NAME) is not None:
+    """Import ``<repo>/passes`` as ``graphshard.passes`` unless an install already provides
+    it from this same tree."""
+    if _NAME in sys.modules:
         return
-    folder = Path(__file__).resolve().parent.parent / "passes"
+    root = Path(__file__).resolve().parent.parent
+    installed = importlib.util.find_spec(_NAME)
+    if installed is not None and not _another_checkouts(installed, root):
+        return
+    folder = root / "passes"
     init = folder / "__init__.py"
     if not init.is_file():
         return  # neither installed nor a checkout: the first import names what is missing

@@ -51,9 +51,13 @@ def _run(code: str, cwd: Path, pythonpath: str | None = None) -> str:
 
 
 def test_import_works_beside_a_decoy_passes_module(tmp_path):
+    """The installed graphshard's own passes (of this checkout where it is the one installed;
+    a clone tested beside another checkout's editable install sees that one's)."""
     _decoys(tmp_path)
-    where = _run(_PROBE, tmp_path)
-    assert Path(where).resolve() == ROOT / "passes" / "__init__.py"
+    passes, package = _run(_PROBE + "print(graphshard.__file__)\n", tmp_path).splitlines()
+    package_dir = Path(package).resolve().parent
+    assert Path(passes).resolve() in (package_dir / "passes" / "__init__.py",  # a wheel
+                                      package_dir.parent / "passes" / "__init__.py")
 
 
 def test_import_works_beside_a_decoy_passes_package(tmp_path):
@@ -157,3 +161,18 @@ def test_importing_graphshard_on_an_older_torch_raises_a_clear_import_error(tmp_
     message = done.stdout.strip()
     assert message.startswith("graphshard needs torch>=2.11, but torch "), message
     assert "(2.10) is installed" in message
+
+
+def test_a_second_checkout_on_pythonpath_runs_its_own_passes(tmp_path):
+    """A copy of the checkout on ``PYTHONPATH`` while the editable install points at this one
+    (two clones, one installed): its ``graphshard`` and its ``graphshard.passes`` both come
+    from the copy, never the package of one tree with the passes of the other."""
+    copy = tmp_path / "clone"
+    for name in ("graphshard", "passes"):
+        shutil.copytree(ROOT / name, copy / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    where = _run(_PROBE + "print(graphshard.__file__)\n", tmp_path, pythonpath=str(copy))
+    passes, package = where.splitlines()
+    assert Path(package).resolve() == copy / "graphshard" / "__init__.py"
+    assert Path(passes).resolve() == copy / "passes" / "__init__.py"
