@@ -20,7 +20,7 @@ from pathlib import Path
 _NAME = "graphshard.passes"
 
 
-def _another_checkouts(spec: importlib.machinery.ModuleSpec, root: Path) -> bool:
+def _from_another_checkout(spec: importlib.machinery.ModuleSpec, root: Path) -> bool:
     """Whether ``spec`` (the ``graphshard.passes`` an install provides) lies outside ``root``,
     the source checkout this ``graphshard`` was imported from: an editable install of another
     checkout, whose passes would otherwise run with this checkout's package."""
@@ -36,7 +36,7 @@ def mount_passes() -> None:
         return
     root = Path(__file__).resolve().parent.parent
     installed = importlib.util.find_spec(_NAME)
-    if installed is not None and not _another_checkouts(installed, root):
+    if installed is not None and not _from_another_checkout(installed, root):
         return
     folder = root / "passes"
     init = folder / "__init__.py"

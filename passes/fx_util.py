@@ -15,7 +15,8 @@ from graphshard.passes.errors import GraphLoweringError
 from graphshard.passes.host_copy import TO_HOST
 
 __all__ = [
-    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_to_device", "copy_to_host", "fake_value",
+    "LOWERED", "DEVICE_COPY", "NodeMaker", "copy_provenance", "copy_to_device", "copy_to_host",
+    "fake_value", "traced_value",
     "graph_order", "replace_and_erase", "outputs_of", "waits_of", "wait_of", "completed",
     "is_view",
 ]
@@ -81,9 +82,7 @@ class NodeMaker:
         if self.lowered is not None:
             node.meta[LOWERED] = dict(self.lowered)
         if self.source is not None:
-            for key in _PROVENANCE:
-                if key in self.source.meta:
-                    node.meta.setdefault(key, self.source.meta[key])
+            copy_provenance(self.source, node)
         if self.fake_mode is not None:
             try:
                 node.meta["val"] = fake_value(node, self.fake_mode)
@@ -93,6 +92,22 @@ class NodeMaker:
                     f"({type(e).__name__}: {e}); this is a graphshard bug, please report it"
                 ) from e
         return node
+
+
+def copy_provenance(source: fx.Node, node: fx.Node) -> None:
+    """Give ``node`` the user-code provenance of ``source`` (``stack_trace``,
+    ``nn_module_stack``) where it has none of its own."""
+    for key in _PROVENANCE:
+        if key in source.meta:
+            node.meta.setdefault(key, source.meta[key])
+
+
+def traced_value(value: Any) -> Any:
+    """``value``, or where it is a graph node the value it was traced with: Dynamo's
+    ``example_value`` or AOTAutograd's ``val``."""
+    if isinstance(value, fx.Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
 
 
 def fake_value(node: fx.Node, fake_mode: Any) -> Any:

@@ -21,23 +21,17 @@ import torch
 from torch import fx
 
 from graphshard.passes.errors import GraphLoweringError
+from graphshard.passes.fx_util import traced_value
 from graphshard.passes.plan import Plan
 from graphshard.passes.regions import region_body, region_calls
 
 __all__ = ["inline_unsupported_regions"]
 
 
-def _traced(value: Any) -> Any:
-    """``value``, or the value a graph node was traced with."""
-    if isinstance(value, fx.Node):
-        return value.meta.get("example_value", value.meta.get("val"))
-    return value
-
-
 def _operand_ok(operand: Any) -> bool:
     """Whether ``invoke_subgraph`` takes ``operand``: tensors, ints, SymInts, generators and
     ``None``."""
-    value = _traced(operand)
+    value = traced_value(operand)
     return value is None or isinstance(value, (torch.Tensor, int, torch.SymInt, torch.Generator))
 
 
@@ -92,7 +86,7 @@ def _reads_number(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
     source = node.args[0]
     if not isinstance(source, fx.Node) or source.op != "placeholder":
         return False
-    return not isinstance(_traced(env[source]), torch.Tensor)
+    return not isinstance(traced_value(env[source]), torch.Tensor)
 
 
 def _takes_a_float(call: fx.Node) -> bool:

@@ -19,12 +19,10 @@ runs on Dynamo's graph (``torch.clone``, ``example_value``) and on AOTAutograd's
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import fx
 
-from graphshard.passes.fx_util import NodeMaker, graph_order
+from graphshard.passes.fx_util import NodeMaker, copy_provenance, graph_order, traced_value
 from graphshard.passes.plan import Plan
 from graphshard.passes.regions import region_calls
 
@@ -33,15 +31,9 @@ __all__ = ["resolve_region_operand_views"]
 aten = torch.ops.aten
 
 
-def _value(node: fx.Node) -> Any:
-    """The value ``node`` was traced with: Dynamo's ``example_value`` or AOTAutograd's
-    ``val``."""
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _lazy_view(operand: object) -> bool:
     """Whether ``operand`` is a node whose value carries the conjugate or negative bit."""
-    value = _value(operand) if isinstance(operand, fx.Node) else None
+    value = traced_value(operand) if isinstance(operand, fx.Node) else None
     return isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg())
 
 
@@ -52,9 +44,7 @@ def _clone_in_dynamo_graph(graph: fx.Graph, view: fx.Node) -> fx.Node:
     mode = getattr(example, "fake_mode", None)  # its own (the tracing context's may differ)
     with mode if mode is not None else torch.no_grad():
         clone.meta["example_value"] = torch.clone(example)
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in view.meta:
-            clone.meta[key] = view.meta[key]
+    copy_provenance(view, clone)
     return clone
 
 

@@ -37,7 +37,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.errors import GraphLoweringError
-from graphshard.passes.fx_util import NodeMaker, is_view
+from graphshard.passes.fx_util import NodeMaker, is_view, traced_value
 from graphshard.passes.markers import is_unshard
 
 if TYPE_CHECKING:
@@ -152,8 +152,7 @@ def region_parameter_counts(gm: fx.GraphModule) -> dict[tuple, int]:
     for node in region_calls(gm):
         operands = node.args[2:]
         n_params = sum(1 for o in operands if isinstance(o, fx.Node) and is_unshard(o))
-        key = _signature([o.meta.get("example_value", o.meta.get("val"))
-                          if isinstance(o, fx.Node) else o for o in operands])
+        key = _signature([traced_value(o) for o in operands])
         if counts.setdefault(key, n_params) != n_params:
             raise GraphLoweringError(
                 f"{node.name}: two compile regions take inputs of the same shapes with "

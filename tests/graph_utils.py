@@ -232,3 +232,14 @@ class KeyedLayersLlama(nn.Module):
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         return LlamaOutput(loss, logits)
+
+
+def exception_chain(error: BaseException | None) -> list[BaseException]:
+    """``error`` and what it wraps, outermost first: Dynamo wraps what a backend raises
+    (``BackendCompilerFailed``, whose ``inner_exception`` it is; torch 2.11 sets no
+    ``__cause__`` there), and graphshard's errors name torch's as their cause."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return chain

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_utils import TwoBlock, fake_process_group
+from graph_utils import TwoBlock, exception_chain, fake_process_group
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -22,11 +22,9 @@ def _compile_step(model: nn.Module) -> None:
 def _raised(error: pytest.ExceptionInfo, kind: type) -> BaseException:
     """The graphshard error itself: Dynamo wraps what a backend raises (``BackendCompilerFailed``,
     whose ``inner_exception`` it is)."""
-    found = error.value
-    while found is not None and not isinstance(found, kind):
-        found = getattr(found, "inner_exception", None) or found.__cause__
-    assert found is not None, f"no {kind.__name__} in the chain of {error.value!r}"
-    return found
+    found = [e for e in exception_chain(error.value) if isinstance(e, kind)]
+    assert found, f"no {kind.__name__} in the chain of {error.value!r}"
+    return found[0]
 
 
 def test_compiling_a_model_that_was_never_sharded_on_two_ranks_says_to_shard_it():

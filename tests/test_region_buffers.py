@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from graph_utils import exception_chain
 from torch import nn
 
 import graphshard
@@ -96,11 +97,8 @@ def test_a_block_that_writes_a_non_persistent_buffer_is_told_to_compile_inline(o
     run = torch.compile(model, backend=graphshard.backend(inductor=False))
     with pytest.raises(Exception) as caught:
         run(_tokens(0)).backward()
-    chain, error = [], caught.value
-    while error is not None and len(chain) < 8:  # torch wraps it (BackendCompilerFailed)
-        chain.append(error)
-        error = error.__cause__ or getattr(error, "inner_exception", None)
-    (ours,) = [e for e in chain if isinstance(e, GraphshardRuntimeError)]
+    (ours,) = [e for e in exception_chain(caught.value)  # torch wraps it
+               if isinstance(e, GraphshardRuntimeError)]
     assert "compile_blocks_once=False" in str(ours) and "persistent" in str(ours)
     torch._dynamo.reset()  # inline, as the error says, it trains
     inline = graphshard.shard(_Model("counter"), compile_blocks_once=False)

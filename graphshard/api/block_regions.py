@@ -421,7 +421,7 @@ def _unmark_inside(block: nn.Module) -> None:
             sub.__class__ = _unmarked_class(type(sub))
 
 
-def _state_buffers(block: nn.Module) -> bool:
+def _holds_persistent_buffers(block: nn.Module) -> bool:
     """Whether ``block`` holds a persistent buffer: model state that training may update
     (BatchNorm's running statistics), which a region cannot (``invoke_subgraph`` takes no
     in-place update of its inputs in training). Non-persistent buffers are caches computed
@@ -434,11 +434,11 @@ def _state_buffers(block: nn.Module) -> bool:
 
 def _servable(block: nn.Module) -> bool:
     """Whether ``block`` can run as a region: a composite module (a lone layer gains
-    nothing), without persistent buffers (:func:`_state_buffers`), tensor-parallel
+    nothing), without persistent buffers (:func:`_holds_persistent_buffers`), tensor-parallel
     parameters or an instance-level ``forward``."""
     if "forward" in block.__dict__ or next(block.children(), None) is None:
         return False
-    if _state_buffers(block):
+    if _holds_persistent_buffers(block):
         return False
     for sub in block.modules():
         for entry, _ in (sub.__dict__.get("_graphshard_specs") or {}).values():

@@ -40,7 +40,6 @@ __all__ = ["PythonWrapperWarning", "cpp_wrapper_blockers", "compile_with_wrapper
 _T = TypeVar("_T")
 
 
-
 class PythonWrapperWarning(UserWarning):
     """``torch._inductor.config.cpp_wrapper`` is set, but a graph keeps Inductor's Python
     wrapper: torch's C++ wrapper cannot call one of its operations. The message names it
