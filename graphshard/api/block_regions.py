@@ -53,6 +53,7 @@ from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
 from graphshard.safety.guards import refuse_copies
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
+from graphshard.safety.region_offsets import region_offsets_counted_once_in_this_process
 
 __all__ = ["REGION_PARAMS_ATTR", "BlockInlinedWarning", "install_block_regions", "region_forward"]
 
@@ -524,6 +525,7 @@ def install_block_regions(blocks: list[nn.Module] | None, state_index: int
         return []
     _graph_breaks_fall_back()
     regions_donate_no_inputs_in_this_process()  # whichever backend compiles the regions
+    region_offsets_counted_once_in_this_process()
     _REGION[:] = [_region()]
     served: list[nn.Module] = []
     for block in blocks:

@@ -58,6 +58,7 @@ from graphshard.safety.guards import refuse_unsharded_parameters
 from graphshard.safety.layout_opt import layout_optimization_off_where_broken
 from graphshard.safety.mutation import refuse_gathered_parameter_mutation
 from graphshard.safety.region_donation import regions_donate_no_inputs
+from graphshard.safety.region_offsets import region_offsets_counted_once
 
 __all__ = ["backend", "GraphshardBackend"]
 
@@ -93,10 +94,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         # Inductor's peak-memory reordering would undo the collective schedule the passes
         # chose. Meshes among the inputs must not carry a per-process hash into the FX-cache
         # key; nor the plan (``aot_cache``): the passes' output is the whole story there.
-        # Region bodies must not donate their inputs (a torch bug: region_donation.py); nor
-        # may torch 2.13's layout optimization drop a gradient (layout_opt.py).
+        # Region bodies must not donate their inputs (a torch bug: region_donation.py), nor
+        # read an output at a storage offset twice (region_offsets.py); nor may torch 2.13's
+        # layout optimization drop a gradient (layout_opt.py).
         with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash(), \
-                plan_out_of_fx_key(), regions_donate_no_inputs(), \
+                plan_out_of_fx_key(), regions_donate_no_inputs(), region_offsets_counted_once(), \
                 layout_optimization_off_where_broken():
             return compile_fx_inner(gm, example_inputs, **flags)
 
