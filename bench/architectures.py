@@ -1,9 +1,10 @@
 """Does graphshard train a Hugging Face architecture as one process does?
 
-Each architecture is built from a small config of its own (random weights, nothing
-downloaded), sharded with ``graphshard.shard``'s defaults on ``--world-size`` gloo ranks and
-trained for ``--steps`` AdamW steps, eagerly and compiled with graphshard's backend, every
-rank on batches of its own. The same training in one process, on every rank's batches with
+Each architecture (transformers' models, and diffusers' denoisers and autoencoder) is built
+from a small config of its own (random weights, nothing downloaded), sharded with
+``graphshard.shard``'s defaults on ``--world-size`` gloo ranks and trained for ``--steps``
+AdamW steps, eagerly and compiled with graphshard's backend, every rank on batches of its
+own. The same training in one process, on every rank's batches with
 the ranks' losses averaged (the gradient the reduce-scatter averages), is the reference:
 the table gives the largest relative difference of the rank-mean losses, the largest
 absolute difference of the final state (every entry of the state dict, parameters gathered
@@ -14,15 +15,20 @@ convolution before a batch norm, the query and key weights of an attention at in
 otherwise get a full-size update whose sign the round-off picks, and one process and the
 ranks round differently.
 
+A transformers model's loss is its own (``labels`` in the batch); a diffusers model's is the
+mean squared error of its ``sample`` against a random target of the same shape.
+
 Usage (CPU, gloo; about a minute per architecture and mode on two cores)::
 
     python -m bench.architectures
     python -m bench.architectures --models gemma2 whisper --modes compiled --world-size 2
+    python -m bench.architectures --models unet_text dit sd3 flux vae
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -34,7 +40,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "Architecture", "compare", "main", "train_ranks", "train_reference"]
+__all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "Architecture", "compare", "loss", "main",
+           "train_ranks", "train_reference"]
 
 VOCAB = 64
 MODES = ("eager", "compiled")
@@ -45,8 +52,18 @@ class Architecture:
     """A model to check: how to build it and what it exercises (the table's second column)."""
 
     build: Callable[[], Any]
-    kind: str  # "tokens" (labels: the ids), "seq2seq", "vision" or "speech"
+    # transformers: "tokens" (labels: the ids), "seq2seq", "vision" or "speech";
+    # diffusers (DIFFUSION_KINDS): "unet", "unet-text", "dit", "sd3", "flux" or "vae"
+    kind: str
     exercises: str
+
+    @property
+    def library(self) -> str:
+        """The package that defines the model."""
+        return "diffusers" if self.kind in DIFFUSION_KINDS else "transformers"
+
+
+DIFFUSION_KINDS = frozenset({"unet", "unet-text", "dit", "sd3", "flux", "vae"})
 
 
 def _transformers() -> Any:
@@ -69,6 +86,19 @@ def _causal(config: str, model: str, **overrides: Any) -> Callable[[], Any]:
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
         "use_cache": False, **overrides})
+
+
+def _diffusers(model: str, **options: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        import diffusers
+
+        built = getattr(diffusers, model)(**options)
+        for module in built.modules():  # classifier-free guidance's random label drop: off
+            if type(module).__name__ == "LabelEmbedding":
+                module.dropout_prob = 0.0
+        return built
+
+    return build
 
 
 _NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
@@ -204,6 +234,46 @@ ARCHITECTURES: dict[str, Architecture] = {
         max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
         "tokens", "local and global attention in turn, a GLU MLP, an encoder"),
+    "unet": Architecture(_diffusers(
+        "UNet2DModel", sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+        block_out_channels=(16, 32), norm_num_groups=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=8),
+        "unet", "diffusers: a U-Net (convolutions, group norms, self-attention at one level, "
+        "skip connections concatenated)"),
+    "unet_text": Architecture(_diffusers(
+        "UNet2DConditionModel", sample_size=8, in_channels=4, out_channels=4,
+        layers_per_block=1, block_out_channels=(16, 32), norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=24,
+        attention_head_dim=8),
+        "unet-text", "diffusers: Stable Diffusion's U-Net (cross-attention to a text "
+        "context, a nearest-neighbour upsampler)"),
+    "dit": Architecture(_diffusers(
+        "DiTTransformer2DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
+        norm_num_groups=4),
+        "dit", "diffusers: DiT (patches, adaptive layer norms from timestep and class)"),
+    "sd3": Architecture(_diffusers(
+        "SD3Transformer2DModel", sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
+        caption_projection_dim=16, pooled_projection_dim=12, out_channels=4,
+        pos_embed_max_size=16),
+        "sd3", "diffusers: Stable Diffusion 3's MMDiT (joint attention over image and text "
+        "streams)"),
+    "flux": Architecture(_diffusers(
+        "FluxTransformer2DModel", patch_size=1, in_channels=8, num_layers=1,
+        num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=False,
+        axes_dims_rope=(2, 2, 4)),
+        "flux", "diffusers: Flux (double- and single-stream blocks, 3-axis rotary)"),
+    "vae": Architecture(_diffusers(
+        "AutoencoderKL", in_channels=3, out_channels=3, block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+        sample_size=8),
+        "vae", "diffusers: a KL autoencoder (an encoder and a decoder, each with blocks "
+        "of its own)"),
 }
 
 
@@ -221,6 +291,8 @@ def batch(name: str, step: int, rank: int) -> dict[str, Any]:
 
     generator = torch.Generator().manual_seed(100 * step + rank)
     kind = ARCHITECTURES[name].kind
+    if kind in DIFFUSION_KINDS:
+        return _denoiser_batch(kind, generator)
     if kind == "vision":
         return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator),
                 "labels": torch.randint(0, 5, (2,), generator=generator)}
@@ -230,6 +302,48 @@ def batch(name: str, step: int, rank: int) -> dict[str, Any]:
     ids = torch.randint(0, VOCAB, (2, 7), generator=generator)
     labels = ids.flip(1) if kind == "seq2seq" else ids  # a target sequence of its own
     return {"input_ids": ids, "labels": labels}
+
+
+def _denoiser_batch(kind: str, generator: Any) -> dict[str, Any]:
+    """A diffusers model's inputs, with ``"target"``: what its ``sample`` is compared with."""
+    import torch
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, generator=generator)
+
+    timestep = torch.randint(0, 10, (2,), generator=generator)
+    if kind == "flux":  # 16 tokens of 8 channels: a 4 x 4 latent, packed
+        grid = torch.arange(16.0)
+        return {"hidden_states": rand(2, 16, 8), "encoder_hidden_states": rand(2, 5, 24),
+                "pooled_projections": rand(2, 12), "timestep": timestep.float() / 10,
+                "img_ids": torch.stack([torch.zeros(16), grid // 4, grid % 4], dim=-1),
+                "txt_ids": torch.zeros(5, 3), "target": rand(2, 16, 8)}
+    if kind == "vae":
+        return {"sample": rand(2, 3, 8, 8), "sample_posterior": False,
+                "target": rand(2, 3, 8, 8)}
+    channels = 3 if kind == "unet" else 4
+    inputs = {"sample" if kind.startswith("unet") else "hidden_states":
+              rand(2, channels, 8, 8), "timestep": timestep}
+    if kind == "unet-text":
+        inputs["encoder_hidden_states"] = rand(2, 5, 24)
+    elif kind == "dit":
+        inputs["class_labels"] = torch.randint(0, 10, (2,), generator=generator)
+    elif kind == "sd3":
+        inputs["encoder_hidden_states"] = rand(2, 5, 24)
+        inputs["pooled_projections"] = rand(2, 12)
+    inputs["target"] = rand(2, channels, 8, 8)
+    return inputs
+
+
+def loss(name: str, run: Any, step: int, rank: int) -> Any:
+    """Rank ``rank``'s loss at ``step`` through ``run`` (the model, or it compiled)."""
+    inputs = batch(name, step, rank)
+    if "target" not in inputs:
+        return run(**inputs).loss
+    import torch
+
+    target = inputs.pop("target")
+    return torch.nn.functional.mse_loss(run(**inputs).sample, target)
 
 
 def full_state(model: Any) -> dict[str, Any]:
@@ -270,8 +384,8 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             run = model
             if mode == "compiled":
                 run = torch.compile(model, backend=graphshard.backend())
-            losses = _train(model, lambda step, run=run, name=name: run(
-                **batch(name, step, rank)).loss, steps)
+            losses = _train(model, lambda step, run=run, name=name: loss(
+                name, run, step, rank), steps)
             results[(name, mode)] = {"losses": losses, "state": full_state(model)}
         except Exception:  # noqa: BLE001  (reported in the table)
             results[(name, mode)] = {"error": traceback.format_exc()}
@@ -287,7 +401,7 @@ def train_reference(name: str, world_size: int, steps: int) -> dict:
     model = build(name)
 
     def losses_at(step: int) -> Any:
-        return sum(model(**batch(name, step, r)).loss for r in range(world_size)) / world_size
+        return sum(loss(name, model, step, r) for r in range(world_size)) / world_size
 
     return {"losses": _train(model, losses_at, steps), "state": full_state(model)}
 
@@ -381,6 +495,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
         parser.error("--world-size and --steps must be at least 1")
+    for library in dict.fromkeys(ARCHITECTURES[name].library for name in args.models):
+        if importlib.util.find_spec(library) is None:
+            chosen = [name for name in args.models if ARCHITECTURES[name].library == library]
+            parser.error(f"{', '.join(chosen)} need {library}: pip install {library}, or "
+                         f"leave them out with --models")
     return args
 
 

@@ -73,6 +73,16 @@ def test_the_tool_checks_an_architecture_end_to_end(tmp_path, capsys):
     assert "| gpt2 | Conv1D layers" in capsys.readouterr().out
 
 
+def test_a_model_whose_library_is_missing_is_refused_by_name(monkeypatch, capsys):
+    found = architectures.importlib.util.find_spec
+    monkeypatch.setattr(architectures.importlib.util, "find_spec",
+                        lambda name: None if name == "diffusers" else found(name))
+    with pytest.raises(SystemExit):
+        architectures.parse_args(["--models", "gpt2", "unet", "vae"])
+    assert "unet, vae need diffusers: pip install diffusers" in capsys.readouterr().err
+    assert architectures.parse_args(["--models", "gpt2"]).models == ["gpt2"]
+
+
 def test_the_verdict_names_a_difference_and_a_failure():
     state = {"w": torch.ones(3)}
     reference = {"losses": [2.0, 1.0], "state": state}
@@ -94,13 +104,15 @@ def test_the_verdict_names_a_difference_and_a_failure():
 
 
 def test_every_architecture_the_tool_lists_builds_and_gives_a_loss():
-    """Each config of ``bench.architectures`` still builds with the installed transformers,
-    and its batch gives a finite loss that reaches every parameter (one process, one forward
-    and backward), so that the tool's list does not rot between its runs."""
+    """Each config of ``bench.architectures`` still builds with the installed transformers
+    and diffusers, and its batch gives a finite loss that reaches every parameter (one
+    process, one forward and backward), so that the tool's list does not rot between its
+    runs."""
     pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
     for name in architectures.ARCHITECTURES:
         model = architectures.build(name)
-        loss = model(**architectures.batch(name, 0, 0)).loss
+        loss = architectures.loss(name, model, 0, 0)
         assert torch.isfinite(loss), name
         loss.backward()
         unreached = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
