@@ -1,4 +1,5 @@
 """Safety nets: guards against misuse of a sharded model, cross-rank fingerprints of the
-plan, rank-failure reports, and the workaround for a torch bug that let compiled block
-regions overwrite their inputs.
+plan, rank-failure reports, and workarounds for torch bugs that gave compiled models wrong
+gradients silently (block regions that overwrote their inputs or read an output at twice its
+storage offset, a layout optimization that dropped a gradient).
 """
