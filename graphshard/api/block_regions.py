@@ -52,6 +52,7 @@ from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
 from graphshard.passes.markers import UNSHARD, GradSync
 from graphshard.records import ROOT_STATES
 from graphshard.safety.guards import refuse_copies
+from graphshard.safety.region_compare import region_compare_tolerates_unused_inputs_in_this_process
 from graphshard.safety.region_donation import regions_donate_no_inputs_in_this_process
 from graphshard.safety.region_offsets import region_offsets_counted_once_in_this_process
 
@@ -526,6 +527,7 @@ def install_block_regions(blocks: list[nn.Module] | None, state_index: int
     _graph_breaks_fall_back()
     regions_donate_no_inputs_in_this_process()  # whichever backend compiles the regions
     region_offsets_counted_once_in_this_process()
+    region_compare_tolerates_unused_inputs_in_this_process()
     _REGION[:] = [_region()]
     served: list[nn.Module] = []
     for block in blocks:
