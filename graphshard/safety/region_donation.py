@@ -30,6 +30,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from graphshard.safety.cache_tags import cache_keys_tagged
+
 __all__ = ["CACHE_TAG", "regions_donate_no_inputs", "regions_donate_no_inputs_in_this_process"]
 
 # Added to torch.compiler.config.cache_key_tag while graphshard compiles: entries compiled
@@ -66,11 +68,6 @@ def regions_donate_no_inputs() -> Iterator[None]:
     """Region bodies lowered without donated inputs (for good:
     :func:`regions_donate_no_inputs_in_this_process`) and, within, Inductor's FX-graph cache
     keys tagged with :data:`CACHE_TAG`."""
-    import torch.compiler.config as compiler_config
-
     regions_donate_no_inputs_in_this_process()
-    tag = compiler_config.cache_key_tag
-    if CACHE_TAG not in tag:
-        tag = f"{tag}|{CACHE_TAG}" if tag else CACHE_TAG
-    with compiler_config.patch(cache_key_tag=tag):
+    with cache_keys_tagged(CACHE_TAG):
         yield

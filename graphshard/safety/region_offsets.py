@@ -32,6 +32,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from graphshard.safety.cache_tags import cache_keys_tagged
+
 __all__ = ["CACHE_TAG", "region_offsets_counted_once",
            "region_offsets_counted_once_in_this_process"]
 
@@ -99,11 +101,6 @@ def region_offsets_counted_once() -> Iterator[None]:
     """Region outputs read at their offset once (for good:
     :func:`region_offsets_counted_once_in_this_process`) and, within, Inductor's FX-graph
     cache keys tagged with :data:`CACHE_TAG`."""
-    import torch.compiler.config as compiler_config
-
     region_offsets_counted_once_in_this_process()
-    tag = compiler_config.cache_key_tag
-    if CACHE_TAG not in tag:
-        tag = f"{tag}|{CACHE_TAG}" if tag else CACHE_TAG
-    with compiler_config.patch(cache_key_tag=tag):
+    with cache_keys_tagged(CACHE_TAG):
         yield
