@@ -31,7 +31,7 @@ def documented_commands() -> list[tuple[str, str]]:
     found = []
     for path in doc_files():
         text = path.read_text().replace("\\\n", " ")
-        parts = re.split(r"^```.*$", text, flags=re.M)
+        parts = re.split(r"^[ \t]*```.*$", text, flags=re.M)  # list items indent theirs
         for index, part in enumerate(parts):
             if index % 2:  # inside a fence
                 pieces = [line.split(" #")[0] for line in part.splitlines()]

@@ -54,7 +54,7 @@ def _anchors(path: Path) -> set[str]:
     anchors = set()
     fence = False
     for line in path.read_text().splitlines():
-        if line.startswith("```"):
+        if line.lstrip().startswith("```"):  # a list item indents its fences
             fence = not fence
         match = None if fence else re.match(r"#{1,6} (.*)", line)
         if match:
@@ -66,7 +66,8 @@ def _anchors(path: Path) -> set[str]:
 
 
 def _links(path: Path) -> list[str]:
-    text = re.sub(r"^(`{3,}).*?^\1", "", path.read_text(), flags=re.S | re.M)  # code blocks
+    text = re.sub(r"^[ \t]*(`{3,}).*?^[ \t]*\1", "", path.read_text(),
+                  flags=re.S | re.M)  # code blocks, a list item's indented too
     text = re.sub(r"`[^`\n]*`", "", text)  # inline code
     return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)
 
