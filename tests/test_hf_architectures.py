@@ -48,13 +48,13 @@ def test_trains_like_one_process(ranks, name, mode):
     mean = [sum(r[(name, mode)]["losses"][s] for r in ranks) / WORLD for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(want["losses"]), rtol=1e-5,
                                atol=1e-6)
-    for result in ranks:
+    for result, expected in zip(ranks, want["states"], strict=True):
         state = result[(name, mode)]["state"]
-        assert state.keys() == want["state"].keys()
-        for key, value in want["state"].items():
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
     initial = architectures.full_state(architectures.build(name))
-    assert any(not torch.equal(initial[k], v) for k, v in want["state"].items())  # it trained
+    assert any(not torch.equal(initial[k], v) for k, v in want["states"][0].items())  # trained
     # the tool's own verdict on the same results
     row = architectures.compare([r[(name, mode)] for r in ranks], want, 1e-5, 1e-6)
     assert row["ok"] and row["loss_rel"] < 1e-5 and row["state_abs"] < 1e-5, row
@@ -75,25 +75,32 @@ def test_the_tool_checks_an_architecture_end_to_end(tmp_path, capsys):
 
 def test_a_model_whose_library_is_missing_is_refused_by_name(monkeypatch, capsys):
     found = architectures.importlib.util.find_spec
+    missing = {"diffusers", "torchvision"}
     monkeypatch.setattr(architectures.importlib.util, "find_spec",
-                        lambda name: None if name == "diffusers" else found(name))
+                        lambda name: None if name in missing else found(name))
     with pytest.raises(SystemExit):
-        architectures.parse_args(["--models", "gpt2", "unet", "vae"])
-    assert "unet, vae need diffusers: pip install diffusers" in capsys.readouterr().err
+        architectures.parse_args(["--models", "gpt2", "unet", "vae", "resnet"])
+    err = capsys.readouterr().err
+    assert "unet, vae need diffusers: pip install diffusers" in err
+    assert "resnet need torchvision" in err and "matches the installed torch" in err
     assert architectures.parse_args(["--models", "gpt2"]).models == ["gpt2"]
 
 
 def test_the_verdict_names_a_difference_and_a_failure():
     state = {"w": torch.ones(3)}
-    reference = {"losses": [2.0, 1.0], "state": state}
+    reference = {"losses": [2.0, 1.0], "states": [state, state]}
     same = {"losses": [2.0, 1.0], "state": {"w": torch.ones(3)}}
     assert architectures.compare([same, same], reference, 1e-5, 1e-6)["ok"]
     moved = {"losses": [2.0, 1.0], "state": {"w": torch.tensor([1.0, 1.0, 1.01])}}
-    row = architectures.compare([moved, same], reference, 1e-5, 1e-6)  # rank 0's state
-    assert not row["ok"] and row["state_abs"] == pytest.approx(0.01, rel=1e-4)
+    for ranks in ([moved, same], [same, moved]):  # either rank's state
+        row = architectures.compare(ranks, reference, 1e-5, 1e-6)
+        assert not row["ok"] and row["state_abs"] == pytest.approx(0.01, rel=1e-4)
     off = {"losses": [2.0, 1.1], "state": {"w": torch.ones(3)}}
     row = architectures.compare([same, off], reference, 1e-5, 1e-6)  # the mean is 1.05
     assert not row["ok"] and row["loss_rel"] == pytest.approx(0.05)
+    extra = {"losses": [2.0, 1.0], "state": {"w": torch.ones(3), "b": torch.ones(1)}}
+    row = architectures.compare([same, extra], reference, 1e-5, 1e-6)
+    assert not row["ok"] and row["error"] == "rank 1's state keys differ: ['b']"
     failed = {"error": "Traceback ...\n  ...\nRuntimeError: boom\n"}
     row = architectures.compare([same, failed], reference, 1e-5, 1e-6)
     assert row == {"ok": False, "error": "RuntimeError: boom"}
@@ -103,14 +110,51 @@ def test_the_verdict_names_a_difference_and_a_failure():
     assert "eager failed: RuntimeError: boom" in text and "**compiled differs**" in text
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_reference_keeps_each_ranks_buffers(monkeypatch, compiled):
+    """A batch norm's running statistics in the reference follow each rank's batches alone
+    (as each rank's do under graphshard and DDP), while the parameters are shared; under
+    plain ``torch.compile`` too (``--compiled-reference compiled``), whose graph updates the
+    buffers it is handed. The norm reads the pictures first, so rank r's running mean is the
+    running average of its own batches' channel means."""
+    def build() -> torch.nn.Module:
+        side = architectures.zoo.PICTURE - 2
+        return torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Conv2d(3, 4, 3),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * side * side, 10))
+
+    monkeypatch.setitem(architectures.ARCHITECTURES, "norm_first", architectures.Architecture(
+        build, "image", "a batch norm on the pictures"))
+    steps = 3
+    torch._dynamo.reset()
+    reference = architectures.train_reference("norm_first", WORLD, steps, compiled)
+    first, second = reference["states"]
+    for rank, state in enumerate(reference["states"]):
+        norm = torch.nn.BatchNorm2d(3)
+        for step in range(steps):
+            norm(architectures.batch("norm_first", step, rank)["pixels"])
+        torch.testing.assert_close(state["0.running_mean"], norm.running_mean)
+        torch.testing.assert_close(state["0.running_var"], norm.running_var)
+        assert int(state["0.num_batches_tracked"]) == steps
+    assert not torch.equal(first["0.running_mean"], second["0.running_mean"])
+    for key in ("0.weight", "1.weight", "3.bias"):
+        assert torch.equal(first[key], second[key]), key
+
+
 def test_every_architecture_the_tool_lists_builds_and_gives_a_loss():
-    """Each config of ``bench.architectures`` still builds with the installed transformers
-    and diffusers, and its batch gives a finite loss that reaches every parameter (one
-    process, one forward and backward), so that the tool's list does not rot between its
-    runs."""
+    """Each config of ``bench.architectures`` still builds with the installed libraries, and
+    its batch gives a finite loss that reaches every parameter (one process, one forward and
+    backward), so that the tool's list does not rot between its runs. torchvision cannot be
+    installed beside the CPU build of torch (its wheels are CUDA builds): its models are
+    checked where it imports (a side environment with torch 2.14.1 and torchvision 0.29.1)."""
     pytest.importorskip("transformers")
     pytest.importorskip("diffusers")
-    for name in architectures.ARCHITECTURES:
+    libraries = {"transformers", "diffusers"}
+    if architectures.importlib.util.find_spec("torchvision") is not None:
+        libraries.add("torchvision")
+    names = [name for name, built in architectures.ARCHITECTURES.items()
+             if built.library in libraries]
+    assert len(names) >= 33
+    for name in names:
         model = architectures.build(name)
         loss = architectures.loss(name, model, 0, 0)
         assert torch.isfinite(loss), name
