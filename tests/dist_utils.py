@@ -199,6 +199,14 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in full.items()}
 
 
+def assert_eager_grads(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every parameter's gradient of the sharded ``model``, gathered whole, matches the
+    unsharded ``reference``'s (rtol 1e-4, atol 1e-6), named in the message where not."""
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def example_runner(monkeypatch, *common: str) -> Callable[..., float]:
     """``examples/train_llama.py``'s ``main`` as a function of its arguments, run as a
     world-1 job in this process (a free port per call); ``common`` prefixes every call."""

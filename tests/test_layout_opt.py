@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import assert_eager_grads
 
 import graphshard
 from graphshard._torch_version import installed_torch_version
@@ -35,9 +36,7 @@ def test_a_diffusers_unet_compiled_gets_the_eager_gradients(one_rank):
     _backward(reference)
     model = graphshard.shard(_unet())
     _backward(torch.compile(model, backend=graphshard.backend()))
-    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_eager_grads(model, reference)
 
 
 def test_layout_optimization_is_off_only_on_the_broken_release():
