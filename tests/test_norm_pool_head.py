@@ -1,22 +1,22 @@
 """ConvNeXt's head (torchvision's): a channel layer norm over the pooled 1 x 1 map, after one
 over the full map. Compiled at one rank it gets eager's gradients.
 
-torch 2.11's Inductor schedules a backward kernel of this graph before the kernel that writes
-one of its inputs (the pooling's gradient): plain ``torch.compile`` raises
-``UnboundLocalError`` in the generated code, and graphshard's graph trained with zero
-gradients, silently, for every parameter before the head (docs/torch-versions.md). Not worked
-around yet: on 2.11 the test is a strict expected failure, so that it says when that
-changes."""
+torch 2.11's CPU fusion drops the dependency of the kernel that writes the pooling's gradient
+into fresh zeros on the kernel that zeroes them: plain ``torch.compile`` raises
+``UnboundLocalError`` in the generated code, and graphshard's graph trained every parameter
+before the head on a zero gradient, silently (docs/torch-versions.md). graphshard's compiles
+keep the dependency there (graphshard/safety/fusion_deps.py); on 2.11 the first test fails
+without that."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from dist_utils import assert_eager_grads
 from torch import nn
 
 import graphshard
 from graphshard._torch_version import installed_torch_version
+from graphshard.safety import fusion_deps
 
 
 class _ChannelNorm(nn.LayerNorm):
@@ -41,11 +41,20 @@ def _backward(run) -> None:
     nn.functional.cross_entropy(run(pixels), labels).backward()
 
 
-@pytest.mark.xfail(installed_torch_version() == (2, 11), strict=True,
-                   reason="torch 2.11's Inductor reads the pooling's gradient before writing it")
 def test_a_norm_after_a_pool_to_one_pixel_gets_the_eager_gradients(one_rank):
     reference = _model()
     _backward(reference)
     model = graphshard.shard(_model())
     _backward(torch.compile(model, backend=graphshard.backend()))
     assert_eager_grads(model, reference)
+
+
+def test_torch_is_patched_only_where_it_drops_the_dependency(one_rank):
+    """After a graphshard compile, Inductor's ``recompute_size_and_body`` is graphshard's
+    wrapper exactly on the releases that drop the dependency; elsewhere it is torch's own."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    model = graphshard.shard(_model())
+    _backward(torch.compile(model, backend=graphshard.backend()))
+    patched = hasattr(SchedulerNode.recompute_size_and_body, "torch_recompute")
+    assert patched == (installed_torch_version() in fusion_deps.BROKEN_RELEASES)
