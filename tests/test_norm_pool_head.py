@@ -5,8 +5,8 @@ torch 2.11's CPU fusion drops the dependency of the kernel that writes the pooli
 into fresh zeros on the kernel that zeroes them: plain ``torch.compile`` raises
 ``UnboundLocalError`` in the generated code, and graphshard's graph trained every parameter
 before the head on a zero gradient, silently (docs/torch-versions.md). graphshard's compiles
-keep the dependency there (graphshard/safety/fusion_deps.py); on 2.11 the first test fails
-without that."""
+keep the dependency there (graphshard/safety/fusion_deps.py); on 2.11 this test fails without
+that."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from dist_utils import assert_eager_grads
 from torch import nn
 
 import graphshard
-from graphshard._torch_version import installed_torch_version
-from graphshard.safety import fusion_deps
 
 
 class _ChannelNorm(nn.LayerNorm):
@@ -47,14 +45,3 @@ def test_a_norm_after_a_pool_to_one_pixel_gets_the_eager_gradients(one_rank):
     model = graphshard.shard(_model())
     _backward(torch.compile(model, backend=graphshard.backend()))
     assert_eager_grads(model, reference)
-
-
-def test_torch_is_patched_only_where_it_drops_the_dependency(one_rank):
-    """After a graphshard compile, Inductor's ``recompute_size_and_body`` is graphshard's
-    wrapper exactly on the releases that drop the dependency; elsewhere it is torch's own."""
-    from torch._inductor.scheduler import SchedulerNode
-
-    model = graphshard.shard(_model())
-    _backward(torch.compile(model, backend=graphshard.backend()))
-    patched = hasattr(SchedulerNode.recompute_size_and_body, "torch_recompute")
-    assert patched == (installed_torch_version() in fusion_deps.BROKEN_RELEASES)

@@ -54,9 +54,10 @@ from graphshard.passes.regions import (
 )
 from graphshard.passes.reshard import plan_after_joint
 from graphshard.safety.fingerprint import check_compile_plan
-from graphshard.safety.fusion_deps import fusion_keeps_ordering_deps
+from graphshard.safety.fusion_deps import FUSION_KEEPS_ORDERING_DEPS
 from graphshard.safety.guards import refuse_unsharded_parameters
 from graphshard.safety.layout_opt import layout_optimization_off_where_broken
+from graphshard.safety.masked_vec import MASKED_RESULTS_STAY_SCALAR
 from graphshard.safety.mutation import refuse_gathered_parameter_mutation
 from graphshard.safety.region_donation import regions_donate_no_inputs
 from graphshard.safety.region_offsets import region_offsets_counted_once
@@ -97,11 +98,13 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         # key; nor the plan (``aot_cache``): the passes' output is the whole story there.
         # Region bodies must not donate their inputs (a torch bug: region_donation.py), nor
         # read an output at a storage offset twice (region_offsets.py); nor may torch 2.13's
-        # layout optimization drop a gradient (layout_opt.py), nor torch 2.11's CPU fusion
-        # lose a kernel's ordering dependencies (fusion_deps.py).
+        # layout optimization drop a gradient (layout_opt.py), nor torch 2.11's CPU backend
+        # lose a kernel's ordering dependencies (fusion_deps.py) or vectorize a shared scalar
+        # (masked_vec.py).
         with config.patch(reorder_for_peak_memory=False), meshes_pickle_without_hash(), \
                 plan_out_of_fx_key(), regions_donate_no_inputs(), region_offsets_counted_once(), \
-                layout_optimization_off_where_broken(), fusion_keeps_ordering_deps():
+                layout_optimization_off_where_broken(), FUSION_KEEPS_ORDERING_DEPS.applied(), \
+                MASKED_RESULTS_STAY_SCALAR.applied():
             return compile_fx_inner(gm, example_inputs, **flags)
 
     def compile_among_ranks(flags: dict[str, Any]) -> Any:
