@@ -207,6 +207,20 @@ def assert_eager_grads(model: torch.nn.Module, reference: torch.nn.Module) -> No
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def assert_compiled_gets_eager_grads(build: Callable[[], torch.nn.Module],
+                                     backward: Callable[[Callable[..., Any]], None]) -> None:
+    """A model from ``build()``, sharded (at the current group's size) and compiled by
+    graphshard, gets from ``backward(run)`` the gradients that the unsharded model from
+    another ``build()`` gets eagerly (:func:`assert_eager_grads`)."""
+    import graphshard
+
+    reference = build()
+    backward(reference)
+    model = graphshard.shard(build())
+    backward(torch.compile(model, backend=graphshard.backend()))
+    assert_eager_grads(model, reference)
+
+
 def example_runner(monkeypatch, *common: str) -> Callable[..., float]:
     """``examples/train_llama.py``'s ``main`` as a function of its arguments, run as a
     world-1 job in this process (a free port per call); ``common`` prefixes every call."""

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import assert_eager_grads
+from dist_utils import assert_compiled_gets_eager_grads
 
-import graphshard
 from graphshard._torch_version import installed_torch_version
 from graphshard.safety.layout_opt import BROKEN_RELEASES, layout_optimization_off_where_broken
 
@@ -32,11 +31,7 @@ def _backward(model) -> None:
 
 
 def test_a_diffusers_unet_compiled_gets_the_eager_gradients(one_rank):
-    reference = _unet()
-    _backward(reference)
-    model = graphshard.shard(_unet())
-    _backward(torch.compile(model, backend=graphshard.backend()))
-    assert_eager_grads(model, reference)
+    assert_compiled_gets_eager_grads(_unet, _backward)
 
 
 def test_layout_optimization_is_off_only_on_the_broken_release():
