@@ -354,7 +354,7 @@ def test_a_region_backward_writes_into_none_of_its_inputs(fake2, monkeypatch):
     from graphshard.safety import region_donation
 
     # torch's own lowering, as before anything of graphshard ran in this process
-    monkeypatch.setattr(region_donation, "_applied", False)
+    monkeypatch.setattr(region_donation.REGIONS_DONATE_NO_INPUTS, "_applied", False)
     monkeypatch.setattr(SubgraphLowering, "__init__", getattr(
         SubgraphLowering.__init__, "torch_init", SubgraphLowering.__init__))
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ def test_the_tag_nests_keeps_the_users_and_goes_away():
 
 
 def test_the_lowering_is_patched_once_and_for_good(monkeypatch):
-    monkeypatch.setattr(region_donation, "_applied", False)
+    monkeypatch.setattr(region_donation.REGIONS_DONATE_NO_INPUTS, "_applied", False)
     monkeypatch.setattr(SubgraphLowering, "__init__", SubgraphLowering.__init__)
     if hasattr(SubgraphLowering.__init__, "torch_init"):
         # an earlier test installed block regions: start again from torch's own lowering

@@ -83,7 +83,7 @@ def test_graphshards_compiles_tag_the_cache_keys_with_it():
 
 def test_the_lowering_is_patched_once_and_for_good(monkeypatch):
     create = InvokeSubgraph.__dict__["create"]
-    monkeypatch.setattr(region_offsets, "_applied", False)
+    monkeypatch.setattr(region_offsets.REGION_OFFSETS_COUNTED_ONCE, "_applied", False)
     monkeypatch.setattr(InvokeSubgraph, "create", create)
     torchs_own = getattr(create.__func__, "torch_create", create.__func__)
     monkeypatch.setattr(InvokeSubgraph, "create", classmethod(torchs_own))

@@ -14,9 +14,9 @@ torchvision's ConvNeXt head (a channel layer norm after ``AdaptiveAvgPool2d(1)``
 trained every parameter before the head on a zero gradient, silently. torch 2.12 re-adds the
 dependencies there; 2.13 and 2.14.1 too.
 
-:data:`FUSION_KEEPS_ORDERING_DEPS` re-adds them after the recompute, as 2.12 does, on the
-releases in :data:`BROKEN_RELEASES`; graphshard's backend applies it (a
-:class:`~graphshard.safety.release_patch.ReleasePatch`).
+:data:`FUSION_KEEPS_ORDERING_DEPS` re-adds them after the recompute, as 2.12 does, on torch
+2.11; graphshard's backend applies it (a
+:class:`~graphshard.safety.torch_patch.TorchPatch`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from graphshard.safety.release_patch import ReleasePatch
+from graphshard.safety.torch_patch import TorchPatch
 
-__all__ = ["BROKEN_RELEASES", "FUSION_KEEPS_ORDERING_DEPS"]
-
-# (major, minor) releases whose SchedulerNode.recompute_size_and_body drops the dependencies
-# described above.
-BROKEN_RELEASES = frozenset({(2, 11)})
+__all__ = ["FUSION_KEEPS_ORDERING_DEPS"]
 
 
 def _keep_ordering_deps() -> None:
@@ -55,5 +51,5 @@ def _keep_ordering_deps() -> None:
     SchedulerNode.recompute_size_and_body = recompute_size_and_body
 
 
-FUSION_KEEPS_ORDERING_DEPS = ReleasePatch(
-    BROKEN_RELEASES, "graphshard:fusion-keeps-ordering-deps", _keep_ordering_deps)
+FUSION_KEEPS_ORDERING_DEPS = TorchPatch(_keep_ordering_deps, releases=frozenset({(2, 11)}),
+                                        cache_tag="graphshard:fusion-keeps-ordering-deps")

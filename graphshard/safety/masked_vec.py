@@ -14,9 +14,8 @@ and any loop of row updates like the one above. torch 2.12 marks its own result;
 2.14.1 too. Triton (GPUs) is not involved.
 
 :data:`MASKED_RESULTS_STAY_SCALAR` restores the body's variable after each ``masked`` call and
-marks the call's own result as a vector instead, as 2.12 does, on the releases in
-:data:`BROKEN_RELEASES`; graphshard's backend applies it (a
-:class:`~graphshard.safety.release_patch.ReleasePatch`).
+marks the call's own result as a vector instead, as 2.12 does, on torch 2.11; graphshard's
+backend applies it (a :class:`~graphshard.safety.torch_patch.TorchPatch`).
 """
 
 from __future__ import annotations
@@ -24,12 +23,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from graphshard.safety.release_patch import ReleasePatch
+from graphshard.safety.torch_patch import TorchPatch
 
-__all__ = ["BROKEN_RELEASES", "MASKED_RESULTS_STAY_SCALAR"]
-
-# (major, minor) releases whose CppVecOverrides.masked marks its body's result as a vector.
-BROKEN_RELEASES = frozenset({(2, 11)})
+__all__ = ["MASKED_RESULTS_STAY_SCALAR"]
 
 
 def _mark_own_result() -> None:
@@ -61,5 +57,5 @@ def _mark_own_result() -> None:
     CppVecOverrides.masked = staticmethod(masked)
 
 
-MASKED_RESULTS_STAY_SCALAR = ReleasePatch(
-    BROKEN_RELEASES, "graphshard:masked-results-stay-scalar", _mark_own_result)
+MASKED_RESULTS_STAY_SCALAR = TorchPatch(_mark_own_result, releases=frozenset({(2, 11)}),
+                                        cache_tag="graphshard:masked-results-stay-scalar")

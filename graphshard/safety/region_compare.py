@@ -18,39 +18,41 @@ does for any two bodies that differ. The step compiles one more body and trains 
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
-__all__ = ["region_compare_tolerates_unused_inputs_in_this_process"]
+from graphshard.safety.torch_patch import TorchPatch
 
-_lock = threading.Lock()
-_applied = False
+__all__ = ["REGION_COMPARE_TOLERATES_UNUSED_INPUTS",
+           "region_compare_tolerates_unused_inputs_in_this_process"]
+
+def _tolerate_unused_inputs() -> None:
+    """Make Dynamo's ``are_same_graph_modules`` answer False where it would raise
+    ``KeyError('example_value')``; nothing on a torch without it."""
+    from torch._dynamo.variables import higher_order_ops
+
+    original = getattr(higher_order_ops, "are_same_graph_modules", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def are_same_graph_modules(*args: Any, **kwargs: Any) -> bool:
+        try:
+            return original(*args, **kwargs)
+        except KeyError as error:
+            if error.args != ("example_value",):
+                raise
+            return False
+
+    are_same_graph_modules.torch_compare = original  # type: ignore[attr-defined]
+    higher_order_ops.are_same_graph_modules = are_same_graph_modules
+
+
+# Dynamo's comparison, not Inductor's lowering: no cache key to tag.
+REGION_COMPARE_TOLERATES_UNUSED_INPUTS = TorchPatch(_tolerate_unused_inputs)
 
 
 def region_compare_tolerates_unused_inputs_in_this_process() -> None:
     """From now on, Dynamo's comparison of two region bodies answers "not the same" where
     it would fail on a placeholder without an example value. Idempotent; nothing happens
     on a torch without the comparison."""
-    global _applied
-    with _lock:
-        if _applied:
-            return
-        from torch._dynamo.variables import higher_order_ops
-
-        original = getattr(higher_order_ops, "are_same_graph_modules", None)
-        if original is None:
-            _applied = True
-            return
-
-        @functools.wraps(original)
-        def are_same_graph_modules(*args: Any, **kwargs: Any) -> bool:
-            try:
-                return original(*args, **kwargs)
-            except KeyError as error:
-                if error.args != ("example_value",):
-                    raise
-                return False
-
-        are_same_graph_modules.torch_compare = original  # type: ignore[attr-defined]
-        higher_order_ops.are_same_graph_modules = are_same_graph_modules
-        _applied = True
+    REGION_COMPARE_TOLERATES_UNUSED_INPUTS.apply_in_this_process()

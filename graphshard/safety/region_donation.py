@@ -26,48 +26,43 @@ tag there would change the keys of everything else the process compiles.)
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
-from graphshard.safety.cache_tags import cache_keys_tagged
+from graphshard.safety.torch_patch import TorchPatch
 
-__all__ = ["CACHE_TAG", "regions_donate_no_inputs", "regions_donate_no_inputs_in_this_process"]
+__all__ = ["CACHE_TAG", "REGIONS_DONATE_NO_INPUTS", "regions_donate_no_inputs",
+           "regions_donate_no_inputs_in_this_process"]
 
 # Added to torch.compiler.config.cache_key_tag while graphshard compiles: entries compiled
 # with region bodies that donate are never hits.
 CACHE_TAG = "graphshard:regions-donate-no-inputs"
 
-_lock = threading.Lock()
-_applied = False
+def _donate_no_inputs() -> None:
+    """Make every region body's lowering forget the step's donated input positions."""
+    from torch._inductor.graph import SubgraphLowering
+
+    original = SubgraphLowering.__init__
+
+    def init(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, parent, *args, **kwargs)
+        self.bw_donated_idxs = None  # the step's positions mean nothing among the body's
+
+    init.torch_init = original  # type: ignore[attr-defined]  (what tests look for)
+    SubgraphLowering.__init__ = init
+
+
+REGIONS_DONATE_NO_INPUTS = TorchPatch(_donate_no_inputs, cache_tag=CACHE_TAG)
 
 
 def regions_donate_no_inputs_in_this_process() -> None:
     """From now on, every Inductor compile of this process lowers region bodies without
     donated inputs (the upstream fix, strictly more conservative than torch's lowering).
     Idempotent."""
-    global _applied
-    with _lock:
-        if _applied:
-            return
-        from torch._inductor.graph import SubgraphLowering
-
-        original = SubgraphLowering.__init__
-
-        def init(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, parent, *args, **kwargs)
-            self.bw_donated_idxs = None  # the step's positions mean nothing among the body's
-
-        init.torch_init = original  # type: ignore[attr-defined]  (what tests look for)
-        SubgraphLowering.__init__ = init
-        _applied = True
+    REGIONS_DONATE_NO_INPUTS.apply_in_this_process()
 
 
-@contextlib.contextmanager
-def regions_donate_no_inputs() -> Iterator[None]:
+def regions_donate_no_inputs() -> contextlib.AbstractContextManager[None]:
     """Region bodies lowered without donated inputs (for good:
     :func:`regions_donate_no_inputs_in_this_process`) and, within, Inductor's FX-graph cache
     keys tagged with :data:`CACHE_TAG`."""
-    regions_donate_no_inputs_in_this_process()
-    with cache_keys_tagged(CACHE_TAG):
-        yield
+    return REGIONS_DONATE_NO_INPUTS.applied()

@@ -28,22 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
-from collections.abc import Iterator
 from typing import Any
 
-from graphshard.safety.cache_tags import cache_keys_tagged
+from graphshard.safety.torch_patch import TorchPatch
 
-__all__ = ["CACHE_TAG", "region_offsets_counted_once",
+__all__ = ["CACHE_TAG", "REGION_OFFSETS_COUNTED_ONCE", "region_offsets_counted_once",
            "region_offsets_counted_once_in_this_process"]
 
 # Added to torch.compiler.config.cache_key_tag while graphshard compiles: entries compiled
 # with the offset counted twice are never hits.
 CACHE_TAG = "graphshard:region-offsets-counted-once"
-
-_lock = threading.Lock()
-_applied = False
-
 
 def _is_view(body_output: Any) -> bool:
     """Whether a region body's result (an Inductor IR node) is a view into a buffer of the
@@ -75,32 +69,32 @@ def _count_offsets_once(subgraph: Any, outputs: list[Any]) -> None:
             V.graph.never_reuse_buffers.add(output.get_name())
 
 
+def _count_offsets_once_in_lowering() -> None:
+    """Make ``InvokeSubgraph.create`` count each region output's storage offset once."""
+    from torch._inductor.ir import InvokeSubgraph
+
+    original = InvokeSubgraph.create.__func__
+
+    def create(cls: Any, subgraph: Any, *operands: Any) -> Any:
+        outputs = original(cls, subgraph, *operands)
+        _count_offsets_once(subgraph, outputs)
+        return outputs
+
+    create.torch_create = original  # type: ignore[attr-defined]  (what tests look for)
+    InvokeSubgraph.create = classmethod(create)
+
+
+REGION_OFFSETS_COUNTED_ONCE = TorchPatch(_count_offsets_once_in_lowering, cache_tag=CACHE_TAG)
+
+
 def region_offsets_counted_once_in_this_process() -> None:
     """From now on, every Inductor compile of this process reads a region output at a
     storage offset from the view's own data pointer. Idempotent."""
-    global _applied
-    with _lock:
-        if _applied:
-            return
-        from torch._inductor.ir import InvokeSubgraph
-
-        original = InvokeSubgraph.create.__func__
-
-        def create(cls: Any, subgraph: Any, *operands: Any) -> Any:
-            outputs = original(cls, subgraph, *operands)
-            _count_offsets_once(subgraph, outputs)
-            return outputs
-
-        create.torch_create = original  # type: ignore[attr-defined]  (what tests look for)
-        InvokeSubgraph.create = classmethod(create)
-        _applied = True
+    REGION_OFFSETS_COUNTED_ONCE.apply_in_this_process()
 
 
-@contextlib.contextmanager
-def region_offsets_counted_once() -> Iterator[None]:
+def region_offsets_counted_once() -> contextlib.AbstractContextManager[None]:
     """Region outputs read at their offset once (for good:
     :func:`region_offsets_counted_once_in_this_process`) and, within, Inductor's FX-graph
     cache keys tagged with :data:`CACHE_TAG`."""
-    region_offsets_counted_once_in_this_process()
-    with cache_keys_tagged(CACHE_TAG):
-        yield
+    return REGION_OFFSETS_COUNTED_ONCE.applied()

@@ -1,6 +1,7 @@
-"""graphshard's fixes of torch bugs (graphshard/safety/release_patch.py) patch torch exactly on
+"""graphshard's fixes of torch bugs (graphshard/safety/torch_patch.py) patch torch exactly on
 the releases they are for, once per process, and tag the FX-graph cache keys of the compiles
-they apply to. The bugs themselves: tests/test_norm_pool_head.py, tests/test_row_updates.py."""
+they apply to. The 2.11 bugs themselves: tests/test_norm_pool_head.py,
+tests/test_row_updates.py; the region fixes: tests/test_region_*.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import graphshard
 from graphshard._torch_version import installed_torch_version
 from graphshard.safety.fusion_deps import FUSION_KEEPS_ORDERING_DEPS
 from graphshard.safety.masked_vec import MASKED_RESULTS_STAY_SCALAR
-from graphshard.safety.release_patch import ReleasePatch
+from graphshard.safety.torch_patch import TorchPatch
 
 
 def _patched_functions():
@@ -34,7 +35,8 @@ def test_after_a_compile_torch_is_patched_only_where_a_fix_is_needed(one_rank):
 
 def _counting_patch(releases):
     calls = []
-    return ReleasePatch(frozenset(releases), "test:tag", lambda: calls.append(1)), calls
+    return TorchPatch(lambda: calls.append(1), cache_tag="test:tag",
+                      releases=frozenset(releases)), calls
 
 
 def test_a_patch_applies_once_and_tags_cache_keys_where_needed():
@@ -60,3 +62,16 @@ def test_a_patch_for_another_release_changes_nothing(release):
     with patch.applied():
         assert config.cache_key_tag == before
     assert calls == []
+
+
+def test_a_patch_for_every_release_without_a_tag_applies_once_and_tags_nothing():
+    from torch.compiler import config
+
+    calls = []
+    patch = TorchPatch(lambda: calls.append(1))
+    before = config.cache_key_tag
+    with patch.applied():
+        assert config.cache_key_tag == before
+    patch.apply_in_this_process()
+    assert patch.needed()
+    assert calls == [1]
