@@ -282,17 +282,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                     for r in range(args.world_size)]
     rows = []
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: a kernel's reductions split by thread count, and
     # a batch-norm net amplifies that (DenseNet under Inductor on torch 2.11: 1e-3 apart)
-    for name in args.models:
-        references = {"eager": train_reference(name, args.world_size, args.steps)}
-        if args.compiled_reference == "compiled" and "compiled" in args.modes:
-            torch._dynamo.reset()
-            references["compiled"] = train_reference(name, args.world_size, args.steps, True)
-        for mode in args.modes:
-            reference = references.get(mode, references["eager"])
-            row = compare([r[(name, mode)] for r in per_rank], reference, args.rtol, args.atol)
-            rows.append({"architecture": name, "mode": mode, **row})
+    try:
+        for name in args.models:
+            references = {"eager": train_reference(name, args.world_size, args.steps)}
+            if args.compiled_reference == "compiled" and "compiled" in args.modes:
+                torch._dynamo.reset()
+                references["compiled"] = train_reference(name, args.world_size, args.steps,
+                                                         True)
+            for mode in args.modes:
+                reference = references.get(mode, references["eager"])
+                row = compare([r[(name, mode)] for r in per_rank], reference, args.rtol,
+                              args.atol)
+                rows.append({"architecture": name, "mode": mode, **row})
+    finally:
+        torch.set_num_threads(threads)  # main() also runs inside callers' processes (tests)
     text = table(rows)
     print(text, flush=True)
     if args.json:

@@ -62,11 +62,18 @@ def test_trains_like_one_process(ranks, name, mode):
 
 def test_the_tool_checks_an_architecture_end_to_end(tmp_path, capsys):
     """``python -m bench.architectures`` as documented, on one architecture in eager mode:
-    its own launch, the table and the JSON rows."""
+    its own launch, the table and the JSON rows; the caller's thread count is given back
+    (the reference trains on one thread)."""
     pytest.importorskip("transformers")
     out = tmp_path / "rows.json"
-    rows = architectures.main(["--models", "gpt2", "--modes", "eager", "--steps", "2",
-                               "--json", str(out)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows = architectures.main(["--models", "gpt2", "--modes", "eager", "--steps", "2",
+                                   "--json", str(out)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads(out.read_text()) == rows
     (row,) = rows
     assert row["architecture"] == "gpt2" and row["mode"] == "eager" and row["ok"], row
