@@ -1,16 +1,16 @@
 """Does graphshard train an architecture nobody here wrote as one process does?
 
-Each architecture of ``bench.zoo`` (transformers' models, diffusers' denoisers and
-autoencoder, torchvision's image classifiers) is sharded with ``graphshard.shard``'s defaults
-on ``--world-size`` gloo ranks and trained for ``--steps`` AdamW steps, eagerly and compiled
-with graphshard's backend, every rank on batches of its own. The same training in one
-process, on every rank's batches with the ranks' losses averaged (the gradient the
-reduce-scatter averages), is the reference. Buffers stay per rank, as in DDP: the reference
-keeps a set for each rank and runs rank r's batch with rank r's set (a batch norm's running
-statistics follow that rank's batches alone). The table gives the largest relative
-difference of the rank-mean losses, the largest absolute difference of the final state
-(every rank's state dict, parameters gathered whole, against that rank's reference) and a
-verdict against ``--rtol``/``--atol``.
+Each architecture of ``bench.zoo`` (transformers' models, diffusers' denoisers and autoencoder,
+torchvision's image classifiers) is sharded with ``graphshard.shard``'s defaults (or the
+options given) on ``--world-size`` gloo ranks and trained for ``--steps`` AdamW steps, eagerly
+and compiled with graphshard's backend, every rank on batches of its own. The same training in
+one process, on every rank's batches with the ranks' losses averaged (the gradient the reduce-
+scatter averages), is the reference. Buffers stay per rank, as in DDP: the reference keeps a
+set for each rank and runs rank r's batch with rank r's set (a batch norm's running statistics
+follow that rank's batches alone). The table gives the largest relative difference of the rank-
+mean losses, the largest absolute difference of the final state (every rank's state dict,
+parameters gathered whole, against that rank's reference) and a verdict against
+``--rtol``/``--atol``.
 
 AdamW's ``eps`` is raised to 1e-3: a gradient at round-off level (the bias of a
 convolution before a batch norm, the query and key weights of an attention at init) would
@@ -23,11 +23,20 @@ Usage (CPU, gloo; about a minute per architecture and mode on two cores)::
     python -m bench.architectures --models gemma2 whisper --modes compiled --world-size 2
     python -m bench.architectures --models unet_text dit sd3 flux vae
     python -m bench.architectures --models resnet densenet swin --world-size 2
+    python -m bench.architectures --models gpt2 t5 flux --gradient-checkpointing \
+        --shard-option reshard_after_forward=False --backend-option all_gather_via=coalesced
+
+``--shard-option`` and ``--backend-option`` hand an option of ``graphshard.shard`` or of
+``graphshard.backend`` to every model (``offload=cpu`` is a ``CPUOffload()``);
+``--gradient-checkpointing`` turns on each model's own activation checkpointing, as its
+library's users do. The reference is the same one-process training either way: none of these
+options may change what is computed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
@@ -79,10 +88,42 @@ def _train(model: Any, losses_at: Callable[[int], Any], steps: int) -> list[floa
     return losses
 
 
-def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int) -> dict:
+def parse_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` as ``(NAME, value)``: a Python literal where the value reads as one
+    (``False``, ``2``, ``"auto"``), else the text; ``offload=cpu`` is a ``CPUOffload()``."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, e.g. "
+                                         "reshard_after_forward=False")
+    if name == "offload":
+        if value != "cpu":
+            raise argparse.ArgumentTypeError(f"{text!r}: the offload option takes only "
+                                             "offload=cpu (graphshard.CPUOffload())")
+        return name, "cpu"
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
+def _shard_options(options: dict[str, Any]) -> dict[str, Any]:
+    import graphshard
+
+    if options.get("offload") == "cpu":
+        return {**options, "offload": graphshard.CPUOffload()}
+    return dict(options)
+
+
+def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
+                shard_options: dict[str, Any] | None = None,
+                backend_options: dict[str, Any] | None = None,
+                gradient_checkpointing: bool = False) -> dict:
     """On each rank of a started process group: every ``(architecture, mode)`` job in turn,
     this rank's losses and the full state after ``steps`` steps; a job that raises records
-    its traceback under ``"error"`` and the next job runs."""
+    its traceback under ``"error"`` and the next job runs. ``shard_options`` and
+    ``backend_options`` go to ``graphshard.shard`` and ``graphshard.backend``;
+    ``gradient_checkpointing`` turns on the model library's own activation checkpointing
+    (``gradient_checkpointing_enable``, non-reentrant) before sharding."""
     import torch
 
     import graphshard
@@ -91,10 +132,14 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
     for name, mode in jobs:
         torch._dynamo.reset()
         try:
-            model = graphshard.shard(build(name))
+            built = build(name)
+            if gradient_checkpointing:
+                zoo.enable_gradient_checkpointing(built)
+            model = graphshard.shard(built, **_shard_options(shard_options or {}))
             run = model
             if mode == "compiled":
-                run = torch.compile(model, backend=graphshard.backend())
+                run = torch.compile(model, backend=graphshard.backend(**(backend_options
+                                                                         or {})))
             losses = _train(model, lambda step, run=run, name=name: loss(
                 name, run, step, rank), steps)
             results[(name, mode)] = {"losses": losses, "state": full_state(model)}
@@ -222,7 +267,8 @@ def table(rows: list[dict]) -> str:
 
 
 def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: list,
-            steps: int) -> None:
+            steps: int, shard_options: dict, backend_options: dict,
+            gradient_checkpointing: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -230,7 +276,8 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: lis
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=600))
     try:
-        results = train_ranks(rank, world_size, jobs, steps)
+        results = train_ranks(rank, world_size, jobs, steps, shard_options, backend_options,
+                              gradient_checkpointing)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -252,10 +299,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "training eager (default), or under plain torch.compile, where "
                              "Inductor's own round-off departs from eager (a batch norm's "
                              "variance, fused reductions)")
+    parser.add_argument("--shard-option", action="append", type=parse_option, default=[],
+                        metavar="NAME=VALUE", dest="shard_options",
+                        help="a graphshard.shard option for every model (repeatable), e.g. "
+                             "reshard_after_forward=False, offload=cpu")
+    parser.add_argument("--backend-option", action="append", type=parse_option, default=[],
+                        metavar="NAME=VALUE", dest="backend_options",
+                        help="a graphshard.backend option for the compiled runs (repeatable), "
+                             "e.g. all_gather_via=coalesced, prefetch_depth=2")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="turn on each model's own activation checkpointing "
+                             "(transformers' and diffusers' gradient_checkpointing_enable) "
+                             "before sharding; torchvision's models have none")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
         parser.error("--world-size and --steps must be at least 1")
+    args.shard_options = dict(args.shard_options)
+    args.backend_options = dict(args.backend_options)
+    if args.gradient_checkpointing:
+        without = [name for name in args.models if ARCHITECTURES[name].library == "torchvision"]
+        if without:
+            parser.error(f"--gradient-checkpointing: {', '.join(without)} (torchvision) have "
+                         "no activation checkpointing of their own; leave them out with "
+                         "--models")
     missing = []
     for library in dict.fromkeys(ARCHITECTURES[name].library for name in args.models):
         if importlib.util.find_spec(library) is None:
@@ -277,7 +344,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     jobs = [(name, mode) for name in args.models for mode in args.modes]
     with tempfile.TemporaryDirectory(prefix="architectures-") as tmp:
         mp.start_processes(_worker, args=(args.world_size, os.path.join(tmp, "store"), tmp,
-                                          jobs, args.steps),
+                                          jobs, args.steps, args.shard_options,
+                                          args.backend_options, args.gradient_checkpointing),
                            nprocs=args.world_size, join=True, start_method="spawn")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                     for r in range(args.world_size)]

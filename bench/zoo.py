@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "Architecture", "batch", "build", "loss"]
+__all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "Architecture", "batch", "build",
+           "enable_gradient_checkpointing", "loss"]
 
 VOCAB = 64
 CLASSES = 10
@@ -317,6 +318,24 @@ def build(name: str) -> Any:
 
     torch.manual_seed(0)
     return ARCHITECTURES[name].build()
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Turn on ``model``'s own activation checkpointing, as its library's users do:
+    transformers' ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    before 5.x; non-reentrant) or diffusers' ``enable_gradient_checkpointing``
+    (non-reentrant by default). Raises ``ValueError`` for a model without one (torchvision's,
+    and the few the libraries mark unsupported)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):  # transformers 4
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "enable_gradient_checkpointing"):  # diffusers
+        model.enable_gradient_checkpointing()
+    else:
+        raise ValueError(f"{type(model).__name__} has no activation checkpointing of its own")
+    model.train()  # both libraries checkpoint only in training mode
 
 
 def batch(name: str, step: int, rank: int) -> dict[str, Any]:

@@ -168,3 +168,56 @@ def test_every_architecture_the_tool_lists_builds_and_gives_a_loss():
         loss.backward()
         unreached = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         assert not unreached, (name, unreached)
+
+
+def test_options_are_read_as_literals_and_bad_ones_refused(capsys):
+    """``--shard-option``/``--backend-option`` take ``NAME=VALUE``: a Python literal where it
+    reads as one, else the text; ``offload`` takes only ``cpu``; torchvision's models are
+    refused with ``--gradient-checkpointing``, which they have no means for."""
+    args = architectures.parse_args([
+        "--models", "gpt2", "--shard-option", "reshard_after_forward=False",
+        "--shard-option", "offload=cpu", "--backend-option", "prefetch_depth=2",
+        "--backend-option", "all_gather_via=coalesced", "--gradient-checkpointing"])
+    assert args.shard_options == {"reshard_after_forward": False, "offload": "cpu"}
+    assert args.backend_options == {"prefetch_depth": 2, "all_gather_via": "coalesced"}
+    assert args.gradient_checkpointing
+    for bad in (["--shard-option", "reshard_after_forward"], ["--shard-option", "offload=gpu"],
+                ["--backend-option", "2=x"]):
+        with pytest.raises(SystemExit):
+            architectures.parse_args(["--models", "gpt2", *bad])
+        assert "NAME=VALUE" in capsys.readouterr().err or "offload=cpu" in bad[1]
+    with pytest.raises(SystemExit):
+        architectures.parse_args(["--models", "gpt2", "resnet", "--gradient-checkpointing"])
+    assert "resnet (torchvision) have no activation checkpointing" in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_is_the_libraries_own():
+    """transformers' and diffusers' models get their own checkpointing turned on (the flag
+    their layers read); a model without one is refused by name."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    for name in ("gpt2", "unet"):
+        model = architectures.build(name)
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        architectures.zoo.enable_gradient_checkpointing(model)
+        assert any(getattr(m, "gradient_checkpointing", False) is True
+                   for m in model.modules()), name
+    with pytest.raises(ValueError, match="Linear has no activation checkpointing"):
+        architectures.zoo.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_train_ranks_passes_the_options_on(one_rank):
+    """``train_ranks`` shards with ``shard_options`` and compiles with ``backend_options``
+    (an option each refuses shows that it reached them), and trains with checkpointing on
+    as one process does."""
+    pytest.importorskip("transformers")
+    jobs = [("gpt2", "eager")]
+    got = architectures.train_ranks(0, 1, jobs, 1, {"reshard_after_forward": "sometimes"})
+    assert "reshard_after_forward" in got[("gpt2", "eager")]["error"]
+    got = architectures.train_ranks(0, 1, [("gpt2", "compiled")], 1, {},
+                                    {"prefetch_depth": -1})
+    assert "prefetch_depth" in got[("gpt2", "compiled")]["error"]
+    got = architectures.train_ranks(0, 1, jobs, 2, {"reshard_after_forward": False}, {}, True)
+    row = architectures.compare([got[("gpt2", "eager")]],
+                                architectures.train_reference("gpt2", 1, 2), 1e-5, 1e-6)
+    assert row["ok"], row
