@@ -4,12 +4,12 @@ Each architecture of ``bench.zoo`` (transformers' models, diffusers' denoisers a
 torchvision's image classifiers) is sharded with ``graphshard.shard``'s defaults (or the
 options given) on ``--world-size`` gloo ranks and trained for ``--steps`` AdamW steps, eagerly
 and compiled with graphshard's backend, every rank on batches of its own. The same training in
-one process, on every rank's batches with the ranks' losses averaged (the gradient the reduce-
-scatter averages), is the reference. Buffers stay per rank, as in DDP: the reference keeps a
-set for each rank and runs rank r's batch with rank r's set (a batch norm's running statistics
-follow that rank's batches alone). The table gives the largest relative difference of the rank-
-mean losses, the largest absolute difference of the final state (every rank's state dict,
-parameters gathered whole, against that rank's reference) and a verdict against
+one process, on every rank's batches with the ranks' losses averaged (the gradient the
+reduce-scatter averages), is the reference. Buffers stay per rank, as in DDP: the reference
+keeps a set for each rank and runs rank r's batch with rank r's set (a batch norm's running
+statistics follow that rank's batches alone). The table gives the largest relative difference
+of the rank-mean losses, the largest absolute difference of the final state (every rank's state
+dict, parameters gathered whole, against that rank's reference) and a verdict against
 ``--rtol``/``--atol``.
 
 AdamW's ``eps`` is raised to 1e-3: a gradient at round-off level (the bias of a
