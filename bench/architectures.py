@@ -25,12 +25,13 @@ Usage (CPU, gloo; about a minute per architecture and mode on two cores)::
     python -m bench.architectures --models resnet densenet swin --world-size 2
     python -m bench.architectures --models gpt2 t5 flux --gradient-checkpointing \
         --shard-option reshard_after_forward=False --backend-option all_gather_via=coalesced
+    python -m bench.architectures --models t5 mixtral --world-size 4 --replicas 2
 
 ``--shard-option`` and ``--backend-option`` hand an option of ``graphshard.shard`` or of
 ``graphshard.backend`` to every model (``offload=cpu`` is a ``CPUOffload()``);
 ``--gradient-checkpointing`` turns on each model's own activation checkpointing, as its
-library's users do. The reference is the same one-process training either way: none of these
-options may change what is computed.
+library's users do; ``--replicas`` shards over a 2-D mesh (HSDP). The reference is the same
+one-process training either way: none of these options may change what is computed.
 """
 
 from __future__ import annotations
@@ -117,17 +118,26 @@ def _shard_options(options: dict[str, Any]) -> dict[str, Any]:
 def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
                 shard_options: dict[str, Any] | None = None,
                 backend_options: dict[str, Any] | None = None,
-                gradient_checkpointing: bool = False) -> dict:
+                gradient_checkpointing: bool = False, replicas: int = 1) -> dict:
     """On each rank of a started process group: every ``(architecture, mode)`` job in turn,
     this rank's losses and the full state after ``steps`` steps; a job that raises records
-    its traceback under ``"error"`` and the next job runs. ``shard_options`` and
+    its traceback under ``"error"`` and the next job runs (``"placements"``: a sharded
+    parameter's, which show the mesh). ``shard_options`` and
     ``backend_options`` go to ``graphshard.shard`` and ``graphshard.backend``;
     ``gradient_checkpointing`` turns on the model library's own activation checkpointing
-    (``gradient_checkpointing_enable``, non-reentrant) before sharding."""
+    (``activation_checkpointing_enable``, non-reentrant) before sharding. ``replicas`` > 1
+    shards over a 2-D mesh of that many replicas (HSDP): ``world_size // replicas`` ranks
+    shard each replica."""
     import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import graphshard
 
+    mesh = None
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas),
+                                mesh_dim_names=("replicate", "shard"))
     results: dict[Any, Any] = {}
     for name, mode in jobs:
         torch._dynamo.reset()
@@ -135,14 +145,16 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             built = build(name)
             if gradient_checkpointing:
                 zoo.enable_gradient_checkpointing(built)
-            model = graphshard.shard(built, **_shard_options(shard_options or {}))
+            model = graphshard.shard(built, mesh, **_shard_options(shard_options or {}))
             run = model
             if mode == "compiled":
                 run = torch.compile(model, backend=graphshard.backend(**(backend_options
                                                                          or {})))
             losses = _train(model, lambda step, run=run, name=name: loss(
                 name, run, step, rank), steps)
-            results[(name, mode)] = {"losses": losses, "state": full_state(model)}
+            first = next(p for p in model.parameters() if isinstance(p, DTensor))
+            results[(name, mode)] = {"losses": losses, "state": full_state(model),
+                                     "placements": tuple(map(str, first.placements))}
         except Exception:  # noqa: BLE001  (reported in the table)
             results[(name, mode)] = {"error": traceback.format_exc()}
         if rank == 0:
@@ -268,7 +280,7 @@ def table(rows: list[dict]) -> str:
 
 def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: list,
             steps: int, shard_options: dict, backend_options: dict,
-            gradient_checkpointing: bool) -> None:
+            gradient_checkpointing: bool, replicas: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -277,7 +289,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: lis
                             world_size=world_size, timeout=timedelta(seconds=600))
     try:
         results = train_ranks(rank, world_size, jobs, steps, shard_options, backend_options,
-                              gradient_checkpointing)
+                              gradient_checkpointing, replicas)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -311,10 +323,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="turn on each model's own activation checkpointing "
                              "(transformers' and diffusers' gradient_checkpointing_enable) "
                              "before sharding; torchvision's models have none")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="HSDP: shard over a mesh of this many replicas, each of "
+                             "--world-size / replicas ranks (default 1: FSDP)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
         parser.error("--world-size and --steps must be at least 1")
+    if args.replicas < 1 or args.world_size % args.replicas:
+        parser.error(f"--replicas {args.replicas} must be at least 1 and divide --world-size "
+                     f"{args.world_size}")
     args.shard_options = dict(args.shard_options)
     args.backend_options = dict(args.backend_options)
     if args.gradient_checkpointing:
@@ -345,7 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="architectures-") as tmp:
         mp.start_processes(_worker, args=(args.world_size, os.path.join(tmp, "store"), tmp,
                                           jobs, args.steps, args.shard_options,
-                                          args.backend_options, args.gradient_checkpointing),
+                                          args.backend_options, args.gradient_checkpointing,
+                                          args.replicas),
                            nprocs=args.world_size, join=True, start_method="spawn")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                     for r in range(args.world_size)]

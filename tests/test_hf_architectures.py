@@ -221,3 +221,22 @@ def test_train_ranks_passes_the_options_on(one_rank):
     row = architectures.compare([got[("gpt2", "eager")]],
                                 architectures.train_reference("gpt2", 1, 2), 1e-5, 1e-6)
     assert row["ok"], row
+
+
+def test_replicas_shard_over_a_2d_mesh():
+    """``--replicas 2`` at 2 ranks is HSDP of two replicas of one shard each: the parameters
+    are placed on both mesh dimensions, and the training is one process's."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks(architectures.train_ranks, WORLD, [("gpt2", "eager")], 2, None, None,
+                      False, 2)
+    for result in ranks:
+        assert result[("gpt2", "eager")]["placements"] == ("R", "S(0)")
+    row = architectures.compare([r[("gpt2", "eager")] for r in ranks],
+                                architectures.train_reference("gpt2", WORLD, 2), 1e-5, 1e-6)
+    assert row["ok"], row
+
+
+def test_replicas_must_divide_the_world(capsys):
+    with pytest.raises(SystemExit):
+        architectures.parse_args(["--models", "gpt2", "--world-size", "3", "--replicas", "2"])
+    assert "--replicas 2 must be at least 1 and divide --world-size 3" in capsys.readouterr().err
