@@ -28,7 +28,8 @@ Usage (CPU, gloo; about a minute per architecture and mode on two cores)::
     python -m bench.architectures --models t5 mixtral --world-size 4 --replicas 2
 
 ``--shard-option`` and ``--backend-option`` hand an option of ``graphshard.shard`` or of
-``graphshard.backend`` to every model (``offload=cpu`` is a ``CPUOffload()``);
+``graphshard.backend`` to every model (``offload=cpu`` is a ``CPUOffload()``; ``offload=host``
+checks offload's graphs on the CPU, the host standing in for the accelerator);
 ``--gradient-checkpointing`` turns on each model's own activation checkpointing, as its
 library's users do; ``--replicas`` shards over a 2-D mesh (HSDP). The reference is the same
 one-process training either way: none of these options may change what is computed.
@@ -91,28 +92,39 @@ def _train(model: Any, losses_at: Callable[[int], Any], steps: int) -> list[floa
 
 def parse_option(text: str) -> tuple[str, Any]:
     """``NAME=VALUE`` as ``(NAME, value)``: a Python literal where the value reads as one
-    (``False``, ``2``, ``"auto"``), else the text; ``offload=cpu`` is a ``CPUOffload()``."""
+    (``False``, ``2``, ``"auto"``), else the text. ``offload=cpu`` is a ``CPUOffload()`` (on
+    an accelerator); ``offload=host`` offloads on the CPU with the host standing in for the
+    accelerator (``graphshard.api.offload.host_standing_in_for_device``)."""
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, e.g. "
                                          "reshard_after_forward=False")
     if name == "offload":
-        if value != "cpu":
-            raise argparse.ArgumentTypeError(f"{text!r}: the offload option takes only "
-                                             "offload=cpu (graphshard.CPUOffload())")
-        return name, "cpu"
+        if value not in ("cpu", "host"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: the offload option takes offload=cpu (graphshard.CPUOffload(), "
+                "on an accelerator mesh) or offload=host (the CPU standing in for one)")
+        return name, value
     try:
         return name, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return name, value
 
 
-def _shard_options(options: dict[str, Any]) -> dict[str, Any]:
+def _shard(model: Any, mesh: Any, options: dict[str, Any]) -> Any:
+    """``graphshard.shard(model, mesh, **options)``, ``offload`` given as ``parse_option``
+    reads it."""
     import graphshard
+    from graphshard.api.offload import host_standing_in_for_device
 
-    if options.get("offload") == "cpu":
-        return {**options, "offload": graphshard.CPUOffload()}
-    return dict(options)
+    offload = options.get("offload")
+    if offload == "cpu":
+        return graphshard.shard(model, mesh, **{**options, "offload": graphshard.CPUOffload()})
+    if offload == "host":
+        with host_standing_in_for_device():
+            return graphshard.shard(model, mesh, **{
+                **options, "offload": graphshard.CPUOffload(pin_memory=False)})
+    return graphshard.shard(model, mesh, **options)
 
 
 def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
@@ -145,7 +157,7 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             built = build(name)
             if gradient_checkpointing:
                 zoo.enable_gradient_checkpointing(built)
-            model = graphshard.shard(built, mesh, **_shard_options(shard_options or {}))
+            model = _shard(built, mesh, shard_options or {})
             run = model
             if mode == "compiled":
                 run = torch.compile(model, backend=graphshard.backend(**(backend_options
@@ -314,7 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-option", action="append", type=parse_option, default=[],
                         metavar="NAME=VALUE", dest="shard_options",
                         help="a graphshard.shard option for every model (repeatable), e.g. "
-                             "reshard_after_forward=False, offload=cpu")
+                             "reshard_after_forward=False, offload=cpu, or offload=host (on "
+                             "the CPU, the host standing in for the accelerator)")
     parser.add_argument("--backend-option", action="append", type=parse_option, default=[],
                         metavar="NAME=VALUE", dest="backend_options",
                         help="a graphshard.backend option for the compiled runs (repeatable), "

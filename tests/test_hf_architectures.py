@@ -24,6 +24,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
+import graphshard
 from bench import architectures
 
 WORLD = 2
@@ -217,10 +218,22 @@ def test_train_ranks_passes_the_options_on(one_rank):
     got = architectures.train_ranks(0, 1, [("gpt2", "compiled")], 1, {},
                                     {"prefetch_depth": -1})
     assert "prefetch_depth" in got[("gpt2", "compiled")]["error"]
-    got = architectures.train_ranks(0, 1, jobs, 2, {"reshard_after_forward": False}, {}, True)
+    got = architectures.train_ranks(0, 1, jobs, 2, {"reshard_after_forward": False,
+                                                    "offload": "host"}, {}, True)
     row = architectures.compare([got[("gpt2", "eager")]],
                                 architectures.train_reference("gpt2", 1, 2), 1e-5, 1e-6)
     assert row["ok"], row
+
+
+def test_offload_host_offloads_with_the_host_standing_in(one_rank):
+    """``offload=host`` shards with ``CPUOffload`` on the CPU mesh, the host standing in for
+    the accelerator; ``offload=cpu`` asks for an accelerator mesh, as ``shard`` does."""
+    from graphshard.api.sharding import shard_state
+
+    model = architectures._shard(torch.nn.Linear(4, 4), None, {"offload": "host"})
+    assert shard_state(model).offload == graphshard.CPUOffload(pin_memory=False)
+    with pytest.raises(ValueError, match="this mesh is on 'cpu'"):
+        architectures._shard(torch.nn.Linear(4, 4), None, {"offload": "cpu"})
 
 
 def test_replicas_shard_over_a_2d_mesh():

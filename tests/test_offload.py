@@ -24,6 +24,7 @@ from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphshard
+from graphshard.api.offload import host_standing_in_for_device
 from graphshard.passes import Plan, lower_reduce_grad, lower_unshard
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import REDUCE_GRAD, UNSHARD
@@ -610,6 +611,21 @@ def test_offload_on_an_explicit_cpu_mesh_is_refused(one_rank):
     _message_names_the_fix(error)
 
 
+def test_the_host_stands_in_for_the_device_only_within_its_context(one_rank):
+    """``host_standing_in_for_device`` lets a CPU mesh offload (the check of offload's graphs
+    on a CPU-only machine) inside it, and nowhere after it, an exception included."""
+    from graphshard.api.sharding import shard_state
+
+    with host_standing_in_for_device():
+        model = graphshard.shard(nn.Linear(4, 4), offload=graphshard.CPUOffload(pin_memory=False))
+    assert shard_state(model).compute_device == "cpu" and shard_state(model).offload
+    with pytest.raises(KeyError), host_standing_in_for_device():
+        raise KeyError("inside")
+    with pytest.raises(ValueError) as error:
+        graphshard.shard(nn.Linear(4, 4), offload=graphshard.CPUOffload(pin_memory=False))
+    _message_names_the_fix(error)
+
+
 def test_offload_takes_a_cpu_offload_policy():
     with fake_process_group(2):
         with pytest.raises(TypeError, match="offload must be a graphshard.CPUOffload"):
@@ -619,21 +635,6 @@ def test_offload_takes_a_cpu_offload_policy():
 
 
 # --------------------------------------------------------------------------- through Inductor
-
-
-def _host_as_device(monkeypatch) -> None:
-    """Offload with the host standing in for the accelerator: the shards rest on the CPU and
-    are "copied" to the CPU before each gather; the reduced gradients "back" to it. The
-    graphs then hold every offload copy, and Inductor compiles them for this machine."""
-    from graphshard.api import offload as offload_module
-    from graphshard.api import sharding
-
-    def resolve(mesh, offload):
-        if offload is None:
-            return "", None
-        return "cpu", offload_module.host_mesh(mesh)
-
-    monkeypatch.setattr(sharding, "resolve_offload", resolve)
 
 
 def _waits_before_reads(module: str) -> int:
@@ -677,7 +678,7 @@ def _train_compiled(model: nn.Module, backend, steps: int = 3) -> list[float]:
     (torch.bfloat16, {}),  # both copy streams, by default
 ], ids=["fp32", "bf16", "grad_copy_stream", "both_streams_by_default"])
 def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
-    one_rank, monkeypatch, param_dtype, backend_options
+    one_rank, param_dtype, backend_options
 ):
     """Inductor lowers every copy the passes insert (it has no lowering of its own for
     ``aten._to_copy``, which it expects AOTAutograd to have decomposed), and the offloaded
@@ -692,9 +693,9 @@ def test_offload_graphs_compile_through_inductor_and_train_like_no_offload(
     offloaded.load_state_dict(plain.state_dict())
     graphshard.shard(plain, mixed_precision=mp)
     plain_losses = _train_compiled(plain, graphshard.backend())
-    _host_as_device(monkeypatch)
-    graphshard.shard(offloaded, mixed_precision=mp,
-                     offload=graphshard.CPUOffload(pin_memory=False))
+    with host_standing_in_for_device():  # the host stands in for the accelerator
+        graphshard.shard(offloaded, mixed_precision=mp,
+                         offload=graphshard.CPUOffload(pin_memory=False))
     assert shard_state(offloaded).compute_device == "cpu"
     backend = graphshard.backend(**backend_options)
     offload_losses, code = run_and_get_code(_train_compiled, offloaded, backend)

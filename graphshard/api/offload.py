@@ -28,6 +28,8 @@ copies together with its all-gather.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -38,7 +40,26 @@ from graphshard.errors import GraphshardTypeError, GraphshardValueError
 
 __all__ = [
     "CPUOffload", "resolve_offload", "host_mesh", "buffers_to_device", "keep_buffers_on_device",
+    "host_standing_in_for_device",
 ]
+
+_host_stands_in = False  # see host_standing_in_for_device
+
+
+@contextlib.contextmanager
+def host_standing_in_for_device() -> Iterator[None]:
+    """Within it, ``shard(..., offload=CPUOffload(pin_memory=False))`` on a CPU mesh offloads
+    with the host standing in for the accelerator, instead of refusing: the shards rest on
+    the host and are copied to the host before each gather, the reduced gradients back to it.
+    The graphs then hold every offload copy, and Inductor compiles them for the CPU: a check
+    of offload's graphs and numerics on a machine without an accelerator (the copies cost
+    time and save nothing: not for training). Read by ``shard()`` only; not thread-safe."""
+    global _host_stands_in
+    before, _host_stands_in = _host_stands_in, True
+    try:
+        yield
+    finally:
+        _host_stands_in = before
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,8 @@ def resolve_offload(
             f"{hint}."
         )
     device_type = mesh.device_type
+    if device_type == "cpu" and _host_stands_in:
+        return device_type, host_mesh(mesh)
     if device_type == "cpu":
         raise GraphshardValueError(
             "graphshard.shard(..., offload=CPUOffload()) keeps the shards in host memory and "
