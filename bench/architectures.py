@@ -65,6 +65,7 @@ _INSTALL = {  # how to get each library the models come from
     # PyPI's torchvision wheels are CUDA builds: beside torch's CPU build they fail to import
     "torchvision": "pip install the torchvision release that matches the installed torch "
                    "(torch 2.14.1: torchvision 0.29.1)",
+    "timm": "pip install timm (it imports torchvision: see above)",
 }
 
 

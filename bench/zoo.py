@@ -4,11 +4,11 @@
 - transformers' models: their own loss (``labels`` in the batch);
 - diffusers' denoisers and autoencoder: the mean squared error of ``sample`` against a random
   target of the same shape;
-- torchvision's image classifiers: the cross-entropy of their logits against random labels.
-  Their batch norms keep statistics per rank (as in DDP), which the reference follows.
+- torchvision's and timm's image classifiers: the cross-entropy of their logits against random
+  labels. Their batch norms keep statistics per rank (as in DDP), which the reference follows.
 
 Dropout and stochastic depth are off (in the configs; in torchvision's modules after they are
-built), so that no process draws anything random.
+built; timm's are off by default), so that no process draws anything random.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Architecture:
     build: Callable[[], Any]
     # transformers: "tokens" (labels: the ids), "seq2seq", "vision" or "speech";
     # diffusers (DIFFUSION_KINDS): "unet", "unet-text", "dit", "sd3", "flux" or "vae";
-    # torchvision: "image" (a classifier of PICTURE x PICTURE pictures into CLASSES classes)
+    # torchvision: "image" (a classifier of PICTURE x PICTURE pictures into CLASSES classes);
+    # timm: "timm" (the same pictures and classes)
     kind: str
     exercises: str
 
@@ -47,7 +48,7 @@ class Architecture:
         """The package that defines the model."""
         if self.kind in DIFFUSION_KINDS:
             return "diffusers"
-        return "torchvision" if self.kind == "image" else "transformers"
+        return {"image": "torchvision", "timm": "timm"}.get(self.kind, "transformers")
 
 
 DIFFUSION_KINDS = frozenset({"unet", "unet-text", "dit", "sd3", "flux", "vae"})
@@ -103,6 +104,19 @@ def _torchvision(build_model: Callable[[Any], Any]) -> Callable[[], Any]:
     return build
 
 
+def _timm(build_model: Callable[[Any], Any]) -> Callable[[], Any]:
+    """``build_model(timm)`` (dropout and stochastic depth left at timm's default of off)."""
+    def build() -> Any:
+        import timm
+        import timm.models
+
+        return build_model(timm)
+
+    return build
+
+
+_TIMM_VIT = dict(pretrained=False, num_classes=CLASSES, img_size=PICTURE, depth=2, embed_dim=64,
+                 num_heads=2)
 _NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -309,6 +323,28 @@ ARCHITECTURES: dict[str, Architecture] = {
         block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0,
         num_classes=CLASSES)), "image",
         "torchvision: MaxViT (MBConv, block and grid attention)"),
+    "eva02": Architecture(_timm(lambda t: t.create_model("eva02_tiny_patch14_224", **_TIMM_VIT)),
+                          "timm", "timm: EVA-02 (2-D rotary, SwiGLU with a norm inside)"),
+    "beit": Architecture(_timm(lambda t: t.create_model("beit_base_patch16_224", **_TIMM_VIT)),
+                         "timm", "timm: BEiT (a relative position bias per block, layer scale)"),
+    "cait": Architecture(_timm(lambda t: t.create_model("cait_xxs24_224", **_TIMM_VIT)),
+                         "timm", "timm: CaiT (talking heads, class attention after the blocks)"),
+    "convnextv2": Architecture(_timm(lambda t: t.models.convnext.ConvNeXt(
+        depths=(1, 1, 1, 1), dims=(16, 32, 64, 128), use_grn=True, ls_init_value=None,
+        num_classes=CLASSES)), "timm", "timm: ConvNeXt V2 (global response normalization)"),
+    "nfnet": Architecture(_timm(lambda t: t.models.nfnet.NormFreeNet(t.models.nfnet.NfCfg(
+        depths=(1, 1, 1, 1), channels=(32, 64, 96, 128), stem_type="deep_quad", stem_chs=16,
+        group_size=16, extra_conv=True, gamma_in_act=True, same_padding=True, skipinit=True,
+        num_features=256, act_layer="gelu", attn_layer="se", attn_kwargs={"rd_ratio": 0.5}),
+        num_classes=CLASSES)), "timm",
+        "timm: NFNet (no norms: weight-standardized convolutions, zero-initialized skip gains)"),
+    "mixer": Architecture(_timm(lambda t: t.models.mlp_mixer.MlpMixer(
+        num_classes=CLASSES, img_size=PICTURE, patch_size=16, num_blocks=2, embed_dim=64)),
+        "timm", "timm: MLP-Mixer (token-mixing MLPs across patches, no attention)"),
+    "hiera": Architecture(_timm(lambda t: t.create_model(
+        "hiera_tiny_224", pretrained=False, num_classes=CLASSES, img_size=PICTURE,
+        embed_dim=32, num_heads=1, stages=(1, 1, 1, 1))), "timm",
+        "timm: Hiera (mask-unit attention, pooled queries between stages)"),
 }
 
 
@@ -324,8 +360,9 @@ def enable_gradient_checkpointing(model: Any) -> None:
     """Turn on ``model``'s own activation checkpointing, as its library's users do:
     transformers' ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
     before 5.x; non-reentrant) or diffusers' ``enable_gradient_checkpointing``
-    (non-reentrant by default). Raises ``ValueError`` for a model without one (torchvision's,
-    and the few the libraries mark unsupported)."""
+    (non-reentrant by default) or timm's ``set_grad_checkpointing`` (non-reentrant by
+    default). Raises ``ValueError`` for a model without one (torchvision's, and the few the
+    libraries mark unsupported)."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
@@ -333,6 +370,8 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(model, "enable_gradient_checkpointing"):  # diffusers
         model.enable_gradient_checkpointing()
+    elif hasattr(model, "set_grad_checkpointing"):  # timm (non-reentrant by default)
+        model.set_grad_checkpointing(True)
     else:
         raise ValueError(f"{type(model).__name__} has no activation checkpointing of its own")
     model.train()  # both libraries checkpoint only in training mode
@@ -346,7 +385,7 @@ def batch(name: str, step: int, rank: int) -> dict[str, Any]:
     kind = ARCHITECTURES[name].kind
     if kind in DIFFUSION_KINDS:
         return _denoiser_batch(kind, generator)
-    if kind == "image":
+    if kind in ("image", "timm"):
         return {"pixels": torch.randn(4, 3, PICTURE, PICTURE, generator=generator),
                 "target": torch.randint(0, CLASSES, (4,), generator=generator)}
     if kind == "vision":
@@ -399,6 +438,6 @@ def loss(name: str, run: Any, step: int, rank: int) -> Any:
     import torch
 
     target = inputs.pop("target")
-    if ARCHITECTURES[name].kind == "image":
+    if ARCHITECTURES[name].kind in ("image", "timm"):
         return torch.nn.functional.cross_entropy(run(inputs["pixels"]), target)
     return torch.nn.functional.mse_loss(run(**inputs).sample, target)

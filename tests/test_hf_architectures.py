@@ -153,12 +153,14 @@ def test_every_architecture_the_tool_lists_builds_and_gives_a_loss():
     its batch gives a finite loss that reaches every parameter (one process, one forward and
     backward), so that the tool's list does not rot between its runs. torchvision cannot be
     installed beside the CPU build of torch (its wheels are CUDA builds): its models are
-    checked where it imports (a side environment with torch 2.14.1 and torchvision 0.29.1)."""
+    checked where it imports (a side environment with torch 2.14.1 and torchvision 0.29.1),
+    and timm's with them."""
     pytest.importorskip("transformers")
     pytest.importorskip("diffusers")
     libraries = {"transformers", "diffusers"}
-    if architectures.importlib.util.find_spec("torchvision") is not None:
-        libraries.add("torchvision")
+    for library in ("torchvision", "timm"):  # timm imports torchvision
+        if all(architectures.importlib.util.find_spec(n) for n in (library, "torchvision")):
+            libraries.add(library)
     names = [name for name, built in architectures.ARCHITECTURES.items()
              if built.library in libraries]
     assert len(names) >= 33
