@@ -26,13 +26,16 @@ Usage (CPU, gloo; about a minute per architecture and mode on two cores)::
     python -m bench.architectures --models gpt2 t5 flux --gradient-checkpointing \
         --shard-option reshard_after_forward=False --backend-option all_gather_via=coalesced
     python -m bench.architectures --models t5 mixtral --world-size 4 --replicas 2
+    python -m bench.architectures --models t5 whisper --resume-after 1
 
 ``--shard-option`` and ``--backend-option`` hand an option of ``graphshard.shard`` or of
 ``graphshard.backend`` to every model (``offload=cpu`` is a ``CPUOffload()``; ``offload=host``
 checks offload's graphs on the CPU, the host standing in for the accelerator);
 ``--gradient-checkpointing`` turns on each model's own activation checkpointing, as its
-library's users do; ``--replicas`` shards over a 2-D mesh (HSDP). The reference is the same
-one-process training either way: none of these options may change what is computed.
+library's users do; ``--replicas`` shards over a 2-D mesh (HSDP); ``--resume-after K`` saves a
+checkpoint after step K and trains on from it in a model built, sharded and compiled anew. The
+reference is the same one-process training either way: none of these may change what is
+computed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,7 +58,7 @@ from typing import Any
 from bench import zoo
 from bench.zoo import ARCHITECTURES, DIFFUSION_KINDS, Architecture, batch, build, loss
 
-__all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "MODES", "Architecture", "batch", "build",
+__all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "MODES", "Architecture", "Setup", "batch", "build",
            "compare", "full_state", "loss", "main", "table", "train_ranks", "train_reference",
            "zoo"]
 
@@ -77,12 +81,15 @@ def full_state(model: Any) -> dict[str, Any]:
             for k, v in model.state_dict().items()}
 
 
-def _train(model: Any, losses_at: Callable[[int], Any], steps: int) -> list[float]:
+def _optimizer(model: Any) -> Any:
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+
+
+def _train(optimizer: Any, losses_at: Callable[[int], Any], steps: range) -> list[float]:
     losses = []
-    for step in range(steps):
+    for step in steps:
         loss = losses_at(step)
         loss.backward()
         optimizer.step()
@@ -128,43 +135,86 @@ def _shard(model: Any, mesh: Any, options: dict[str, Any]) -> Any:
     return graphshard.shard(model, mesh, **options)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How ``train_ranks`` shards, compiles and trains each model beyond the defaults.
+
+    Attributes:
+        shard: ``graphshard.shard`` options (``offload`` as :func:`parse_option` reads it).
+        backend: ``graphshard.backend`` options, for the compiled runs.
+        gradient_checkpointing: turn on the model library's own activation checkpointing
+            (:func:`bench.zoo.enable_gradient_checkpointing`) before sharding.
+        replicas: > 1 shards over a 2-D mesh of that many replicas (HSDP).
+        resume_after: save a checkpoint (``graphshard.save_checkpoint``, model and AdamW)
+            after this many steps under ``checkpoint_dir``, then build, shard and compile the
+            model anew, load it (``graphshard.load_checkpoint``) and train the remaining
+            steps: the training must be the uninterrupted one's.
+        checkpoint_dir: a directory every rank sees, for ``resume_after``.
+    """
+
+    shard: dict[str, Any] = field(default_factory=dict)
+    backend: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
+    replicas: int = 1
+    resume_after: int | None = None
+    checkpoint_dir: str | None = None
+
+
+def _sharded(name: str, mode: str, setup: Setup, mesh: Any) -> tuple[Any, Any]:
+    """Architecture ``name`` built, sharded as ``setup`` says, and what runs it (itself, or
+    it compiled with graphshard's backend)."""
+    import torch
+
+    import graphshard
+
+    built = build(name)
+    if setup.gradient_checkpointing:
+        zoo.enable_gradient_checkpointing(built)
+    model = _shard(built, mesh, setup.shard)
+    if mode == "compiled":
+        return model, torch.compile(model, backend=graphshard.backend(**setup.backend))
+    return model, model
+
+
 def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
-                shard_options: dict[str, Any] | None = None,
-                backend_options: dict[str, Any] | None = None,
-                gradient_checkpointing: bool = False, replicas: int = 1) -> dict:
+                setup: Setup | None = None) -> dict:
     """On each rank of a started process group: every ``(architecture, mode)`` job in turn,
-    this rank's losses and the full state after ``steps`` steps; a job that raises records
-    its traceback under ``"error"`` and the next job runs (``"placements"``: a sharded
-    parameter's, which show the mesh). ``shard_options`` and
-    ``backend_options`` go to ``graphshard.shard`` and ``graphshard.backend``;
-    ``gradient_checkpointing`` turns on the model library's own activation checkpointing
-    (``activation_checkpointing_enable``, non-reentrant) before sharding. ``replicas`` > 1
-    shards over a 2-D mesh of that many replicas (HSDP): ``world_size // replicas`` ranks
-    shard each replica."""
+    this rank's losses and the full state after ``steps`` steps, sharded and trained as
+    ``setup`` says (the defaults where None); a job that raises records its traceback under
+    ``"error"`` and the next job runs (``"placements"``: a sharded parameter's, which show
+    the mesh)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     import graphshard
 
+    setup = setup or Setup()
     mesh = None
-    if replicas > 1:
-        mesh = init_device_mesh("cpu", (replicas, world_size // replicas),
+    if setup.replicas > 1:
+        mesh = init_device_mesh("cpu", (setup.replicas, world_size // setup.replicas),
                                 mesh_dim_names=("replicate", "shard"))
     results: dict[Any, Any] = {}
     for name, mode in jobs:
         torch._dynamo.reset()
         try:
-            built = build(name)
-            if gradient_checkpointing:
-                zoo.enable_gradient_checkpointing(built)
-            model = _shard(built, mesh, shard_options or {})
-            run = model
-            if mode == "compiled":
-                run = torch.compile(model, backend=graphshard.backend(**(backend_options
-                                                                         or {})))
-            losses = _train(model, lambda step, run=run, name=name: loss(
-                name, run, step, rank), steps)
+            model, run = _sharded(name, mode, setup, mesh)
+            optimizer = _optimizer(model)
+            stop = steps if setup.resume_after is None else setup.resume_after
+            losses = _train(optimizer, lambda step, run=run, name=name: loss(
+                name, run, step, rank), range(stop))
+            if setup.resume_after is not None:
+                directory = Path(setup.checkpoint_dir) / f"{name}-{mode}"
+                graphshard.save_checkpoint(directory, model, optimizer, step=stop)
+                torch._dynamo.reset()  # as a restarted job: nothing compiled
+                model, run = _sharded(name, mode, setup, mesh)
+                optimizer = _optimizer(model)
+                info = graphshard.load_checkpoint(directory, model, optimizer)
+                if rank == 0:
+                    print(f"[architectures] {name} {mode}: resumed from {info.path.name}",
+                          file=sys.stderr, flush=True)
+                losses += _train(optimizer, lambda step, run=run, name=name: loss(
+                    name, run, step, rank), range(info.step, steps))
             first = next(p for p in model.parameters() if isinstance(p, DTensor))
             results[(name, mode)] = {"losses": losses, "state": full_state(model),
                                      "placements": tuple(map(str, first.placements))}
@@ -195,7 +245,7 @@ def train_reference(name: str, world_size: int, steps: int, compiled: bool = Fal
                 total = total + loss(name, run, step, rank)
         return total / world_size
 
-    losses = _train(model, losses_at, steps)
+    losses = _train(_optimizer(model), losses_at, range(steps))
     states = []
     for buffers in rank_buffers:
         with _buffers_of(model, buffers):
@@ -292,8 +342,7 @@ def table(rows: list[dict]) -> str:
 
 
 def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: list,
-            steps: int, shard_options: dict, backend_options: dict,
-            gradient_checkpointing: bool, replicas: int) -> None:
+            steps: int, setup: Setup) -> None:
     import torch
     import torch.distributed as dist
 
@@ -301,8 +350,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: lis
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=600))
     try:
-        results = train_ranks(rank, world_size, jobs, steps, shard_options, backend_options,
-                              gradient_checkpointing, replicas)
+        results = train_ranks(rank, world_size, jobs, steps, setup)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -335,11 +383,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "e.g. all_gather_via=coalesced, prefetch_depth=2")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="turn on each model's own activation checkpointing "
-                             "(transformers' and diffusers' gradient_checkpointing_enable) "
-                             "before sharding; torchvision's models have none")
+                             "(transformers', diffusers' and timm's) before sharding; "
+                             "torchvision's models have none")
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP: shard over a mesh of this many replicas, each of "
                              "--world-size / replicas ranks (default 1: FSDP)")
+    parser.add_argument("--resume-after", type=int, metavar="K",
+                        help="save a checkpoint (graphshard.save_checkpoint) after step K, "
+                             "then build, shard and compile each model anew, load it and "
+                             "train the remaining steps: the training must be the "
+                             "uninterrupted one's")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
@@ -347,6 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.replicas < 1 or args.world_size % args.replicas:
         parser.error(f"--replicas {args.replicas} must be at least 1 and divide --world-size "
                      f"{args.world_size}")
+    if args.resume_after is not None and not 0 < args.resume_after < args.steps:
+        parser.error(f"--resume-after {args.resume_after} must be between 1 and --steps - 1 "
+                     f"({args.steps - 1})")
     args.shard_options = dict(args.shard_options)
     args.backend_options = dict(args.backend_options)
     if args.gradient_checkpointing:
@@ -375,10 +431,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     jobs = [(name, mode) for name in args.models for mode in args.modes]
     with tempfile.TemporaryDirectory(prefix="architectures-") as tmp:
+        setup = Setup(args.shard_options, args.backend_options, args.gradient_checkpointing,
+                      args.replicas, args.resume_after, os.path.join(tmp, "checkpoints"))
         mp.start_processes(_worker, args=(args.world_size, os.path.join(tmp, "store"), tmp,
-                                          jobs, args.steps, args.shard_options,
-                                          args.backend_options, args.gradient_checkpointing,
-                                          args.replicas),
+                                          jobs, args.steps, setup),
                            nprocs=args.world_size, join=True, start_method="spawn")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)
                     for r in range(args.world_size)]

@@ -214,14 +214,15 @@ def test_train_ranks_passes_the_options_on(one_rank):
     (an option each refuses shows that it reached them), and trains with checkpointing on
     as one process does."""
     pytest.importorskip("transformers")
+    Setup = architectures.Setup
     jobs = [("gpt2", "eager")]
-    got = architectures.train_ranks(0, 1, jobs, 1, {"reshard_after_forward": "sometimes"})
+    got = architectures.train_ranks(0, 1, jobs, 1, Setup({"reshard_after_forward": "sometimes"}))
     assert "reshard_after_forward" in got[("gpt2", "eager")]["error"]
-    got = architectures.train_ranks(0, 1, [("gpt2", "compiled")], 1, {},
-                                    {"prefetch_depth": -1})
+    got = architectures.train_ranks(0, 1, [("gpt2", "compiled")], 1,
+                                    Setup(backend={"prefetch_depth": -1}))
     assert "prefetch_depth" in got[("gpt2", "compiled")]["error"]
-    got = architectures.train_ranks(0, 1, jobs, 2, {"reshard_after_forward": False,
-                                                    "offload": "host"}, {}, True)
+    got = architectures.train_ranks(0, 1, jobs, 2, Setup(
+        {"reshard_after_forward": False, "offload": "host"}, gradient_checkpointing=True))
     row = architectures.compare([got[("gpt2", "eager")]],
                                 architectures.train_reference("gpt2", 1, 2), 1e-5, 1e-6)
     assert row["ok"], row
@@ -242,8 +243,8 @@ def test_replicas_shard_over_a_2d_mesh():
     """``--replicas 2`` at 2 ranks is HSDP of two replicas of one shard each: the parameters
     are placed on both mesh dimensions, and the training is one process's."""
     pytest.importorskip("transformers")
-    ranks = run_ranks(architectures.train_ranks, WORLD, [("gpt2", "eager")], 2, None, None,
-                      False, 2)
+    ranks = run_ranks(architectures.train_ranks, WORLD, [("gpt2", "eager")], 2,
+                      architectures.Setup(replicas=2))
     for result in ranks:
         assert result[("gpt2", "eager")]["placements"] == ("R", "S(0)")
     row = architectures.compare([r[("gpt2", "eager")] for r in ranks],
@@ -255,3 +256,25 @@ def test_replicas_must_divide_the_world(capsys):
     with pytest.raises(SystemExit):
         architectures.parse_args(["--models", "gpt2", "--world-size", "3", "--replicas", "2"])
     assert "--replicas 2 must be at least 1 and divide --world-size 3" in capsys.readouterr().err
+
+
+def test_resume_after_trains_on_from_a_checkpoint(one_rank, tmp_path, capfd):
+    """``resume_after``: the training saves a checkpoint after step 1, a model built,
+    sharded and compiled anew loads it (model and AdamW) and trains the last steps; the
+    whole equals one process's uninterrupted training (a model that did not load would be
+    at its initial weights, an optimizer at step 0)."""
+    pytest.importorskip("transformers")
+    setup = architectures.Setup(resume_after=1, checkpoint_dir=str(tmp_path))
+    got = architectures.train_ranks(0, 1, [("gpt2", "compiled")], 3, setup)
+    assert "gpt2 compiled: resumed from step_00000001" in capfd.readouterr().err
+    assert (tmp_path / "gpt2-compiled" / "step_00000001").is_dir()
+    row = architectures.compare([got[("gpt2", "compiled")]],
+                                architectures.train_reference("gpt2", 1, 3), 1e-5, 1e-6)
+    assert row["ok"], row
+
+
+def test_resume_after_must_leave_steps_on_both_sides(capsys):
+    for k in ("0", "3"):
+        with pytest.raises(SystemExit):
+            architectures.parse_args(["--models", "gpt2", "--resume-after", k])
+        assert "must be between 1 and --steps - 1 (2)" in capsys.readouterr().err
