@@ -1,7 +1,7 @@
 """Does graphshard train an architecture nobody here wrote as one process does?
 
 Each architecture of ``bench.zoo`` (transformers' models, diffusers' denoisers and autoencoder,
-torchvision's image classifiers) is sharded with ``graphshard.shard``'s defaults (or the
+torchvision's and timm's image classifiers) is sharded with ``graphshard.shard``'s defaults (or the
 options given) on ``--world-size`` gloo ranks and trained for ``--steps`` AdamW steps, eagerly
 and compiled with graphshard's backend, every rank on batches of its own. The same training in
 one process, on every rank's batches with the ranks' losses averaged (the gradient the
@@ -59,8 +59,8 @@ from bench import zoo
 from bench.zoo import ARCHITECTURES, DIFFUSION_KINDS, Architecture, batch, build, loss
 
 __all__ = ["ARCHITECTURES", "DIFFUSION_KINDS", "MODES", "Architecture", "Setup", "batch", "build",
-           "compare", "full_state", "loss", "main", "table", "train_ranks", "train_reference",
-           "zoo"]
+           "compare", "full_state", "loss", "main", "parse_option", "table", "train_ranks",
+           "train_reference", "zoo"]
 
 MODES = ("eager", "compiled")
 _INSTALL = {  # how to get each library the models come from
