@@ -27,7 +27,10 @@ CLASSES = 10
 # 32 x 32, ResNet trained in one process on 1 thread and on 2 differs by 2e-2 after 3 steps.
 # EfficientNet, RegNet, ShuffleNet and SqueezeNet are left out: at any size tried (up to 4 of
 # 128 x 128) the same one-process training on 1 and on 2 threads differs beyond --rtol and
-# --atol, so that no distributed run could be told from one process by this check.
+# --atol, so that no distributed run could be told from one process by this check. timm's
+# Hiera is left out too: its max pools (amax over tokens) meet near-ties (gaps of 6e-7 by the third
+# step), where a round-off flips which token takes the gradient; on torch 2.11 its own
+# training under plain torch.compile departs from eager by 4e-3 in state after 3 steps.
 PICTURE = 64
 
 
@@ -341,10 +344,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mixer": Architecture(_timm(lambda t: t.models.mlp_mixer.MlpMixer(
         num_classes=CLASSES, img_size=PICTURE, patch_size=16, num_blocks=2, embed_dim=64)),
         "timm", "timm: MLP-Mixer (token-mixing MLPs across patches, no attention)"),
-    "hiera": Architecture(_timm(lambda t: t.create_model(
-        "hiera_tiny_224", pretrained=False, num_classes=CLASSES, img_size=PICTURE,
-        embed_dim=32, num_heads=1, stages=(1, 1, 1, 1))), "timm",
-        "timm: Hiera (mask-unit attention, pooled queries between stages)"),
 }
 
 
