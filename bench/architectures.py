@@ -159,6 +159,10 @@ class Setup:
     resume_after: int | None = None
     checkpoint_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.resume_after is not None and self.checkpoint_dir is None:
+            raise ValueError("Setup(resume_after=...) needs a checkpoint_dir every rank sees")
+
 
 def _sharded(name: str, mode: str, setup: Setup, mesh: Any) -> tuple[Any, Any]:
     """Architecture ``name`` built, sharded as ``setup`` says, and what runs it (itself, or
@@ -176,6 +180,36 @@ def _sharded(name: str, mode: str, setup: Setup, mesh: Any) -> tuple[Any, Any]:
     return model, model
 
 
+def _train_job(name: str, mode: str, rank: int, steps: int, setup: Setup, mesh: Any) -> dict:
+    """One job of :func:`train_ranks`: its losses, full state and a parameter's placements."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import graphshard
+
+    def train(run: Any, optimizer: Any, at: range) -> list[float]:
+        return _train(optimizer, lambda step: loss(name, run, step, rank), at)
+
+    model, run = _sharded(name, mode, setup, mesh)
+    optimizer = _optimizer(model)
+    stop = steps if setup.resume_after is None else setup.resume_after
+    losses = train(run, optimizer, range(stop))
+    if setup.resume_after is not None:
+        directory = Path(setup.checkpoint_dir) / f"{name}-{mode}"
+        graphshard.save_checkpoint(directory, model, optimizer, step=stop)
+        torch._dynamo.reset()  # as a restarted job: nothing compiled
+        model, run = _sharded(name, mode, setup, mesh)
+        optimizer = _optimizer(model)
+        info = graphshard.load_checkpoint(directory, model, optimizer)
+        if rank == 0:
+            print(f"[architectures] {name} {mode}: resumed from {info.path.name}",
+                  file=sys.stderr, flush=True)
+        losses += train(run, optimizer, range(info.step, steps))
+    first = next(p for p in model.parameters() if isinstance(p, DTensor))
+    return {"losses": losses, "state": full_state(model),
+            "placements": tuple(map(str, first.placements))}
+
+
 def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
                 setup: Setup | None = None) -> dict:
     """On each rank of a started process group: every ``(architecture, mode)`` job in turn,
@@ -185,9 +219,6 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
     the mesh)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    import graphshard
 
     setup = setup or Setup()
     mesh = None
@@ -198,26 +229,7 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
     for name, mode in jobs:
         torch._dynamo.reset()
         try:
-            model, run = _sharded(name, mode, setup, mesh)
-            optimizer = _optimizer(model)
-            stop = steps if setup.resume_after is None else setup.resume_after
-            losses = _train(optimizer, lambda step, run=run, name=name: loss(
-                name, run, step, rank), range(stop))
-            if setup.resume_after is not None:
-                directory = Path(setup.checkpoint_dir) / f"{name}-{mode}"
-                graphshard.save_checkpoint(directory, model, optimizer, step=stop)
-                torch._dynamo.reset()  # as a restarted job: nothing compiled
-                model, run = _sharded(name, mode, setup, mesh)
-                optimizer = _optimizer(model)
-                info = graphshard.load_checkpoint(directory, model, optimizer)
-                if rank == 0:
-                    print(f"[architectures] {name} {mode}: resumed from {info.path.name}",
-                          file=sys.stderr, flush=True)
-                losses += _train(optimizer, lambda step, run=run, name=name: loss(
-                    name, run, step, rank), range(info.step, steps))
-            first = next(p for p in model.parameters() if isinstance(p, DTensor))
-            results[(name, mode)] = {"losses": losses, "state": full_state(model),
-                                     "placements": tuple(map(str, first.placements))}
+            results[(name, mode)] = _train_job(name, mode, rank, steps, setup, mesh)
         except Exception:  # noqa: BLE001  (reported in the table)
             results[(name, mode)] = {"error": traceback.format_exc()}
         if rank == 0:

@@ -110,8 +110,7 @@ def _torchvision(build_model: Callable[[Any], Any]) -> Callable[[], Any]:
 def _timm(build_model: Callable[[Any], Any]) -> Callable[[], Any]:
     """``build_model(timm)`` (dropout and stochastic depth left at timm's default of off)."""
     def build() -> Any:
-        import timm
-        import timm.models
+        import timm  # imports timm.models
 
         return build_model(timm)
 

@@ -278,3 +278,5 @@ def test_resume_after_must_leave_steps_on_both_sides(capsys):
         with pytest.raises(SystemExit):
             architectures.parse_args(["--models", "gpt2", "--resume-after", k])
         assert "must be between 1 and --steps - 1 (2)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a checkpoint_dir"):
+        architectures.Setup(resume_after=1)
