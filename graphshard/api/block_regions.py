@@ -46,6 +46,10 @@ from graphshard.api.forward_depth import (
     OWN_FORWARD_ATTR,
     forward_in_place_of,
     mark_forward_hook,
+)
+from graphshard.api.hop_side_effects import (
+    changes_keep_no_tensor,
+    tensors_may_escape,
     unchecked_side_effect,
 )
 from graphshard.api.local_inputs import LOCAL_INDEX_ATTR, trains
@@ -372,11 +376,16 @@ def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         return forward(self, *args, **kwargs)
     _bind_sizes(args)
     _bind_sizes(tuple(kwargs.values()))
+    marked_before = tensors_may_escape()
     owners, flat = _gather_block_params(self)
     try:
         return _REGION[0](self, len(flat), len(args), *flat, *args, *kwargs, *kwargs.values())
     finally:
         unchecked_side_effect(_clear_region_params, owners)
+        # the gathered parameters were stored, and are taken back: no tensor escaped the
+        # body this may run in (a checkpoint's), which must not return every intermediate
+        # (graphshard.api.hop_side_effects)
+        changes_keep_no_tensor(marked_before)
 
 
 @functools.cache

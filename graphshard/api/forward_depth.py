@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 import torch._dynamo.side_effects
-import torch._dynamo.utils
 from torch import nn
 
 from graphshard.api import eager_reshard
 from graphshard.api.bucket_gathers import end_forward
 from graphshard.api.eager_gathers import release
 from graphshard.api.eager_roots import run_eagerly_as_root
+from graphshard.api.hop_side_effects import unchecked_change_keeping_no_tensor
 from graphshard.errors import GraphshardError
 from graphshard.records import ShardState
 from graphshard.safety.data_assignment import refuse_data_assignments
@@ -53,7 +53,7 @@ from graphshard.safety.rank_agreement import check_same_forward
 __all__ = ["COMPILE_REGION_MARK", "DEFERS_SIDE_EFFECT_CHECKS", "DEPTH_HOOK_ATTR",
            "OWN_FORWARD_ATTR", "counted_call", "counted_forward",
            "counts_in_class", "forward_in_place_of", "is_graphshard_hook", "mark_forward_hook",
-           "track_forwards", "unchecked_side_effect"]
+           "track_forwards"]
 
 # On graphshard's hooks that count running forwards (which decides whether a read gathers).
 DEPTH_HOOK_ATTR = "_graphshard_counts_forward_depth"
@@ -73,15 +73,6 @@ DEFERS_SIDE_EFFECT_CHECKS = hasattr(torch._dynamo.side_effects.SideEffects,
                                     "defer_side_effect_checks")
 
 
-def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
-
-
-# Dynamo refuses a change to an outside object inside a higher-order op's body ("HOP: Unsafe
-# side effect"), e.g. a block called inside a ``torch.utils.checkpoint`` body. This hatch lets
-# Dynamo accept a change undone before the body exits (eagerly it is a plain call).
-unchecked_side_effect = getattr(
-    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", _call)
 
 
 def mark_forward_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -206,7 +197,7 @@ def _count_forward(state: ShardState, step: int) -> None:
     if DEFERS_SIDE_EFFECT_CHECKS:
         state.forward_depth += step
     else:
-        unchecked_side_effect(_add_forward_depth, state, step)
+        unchecked_change_keeping_no_tensor(_add_forward_depth, state, step)
 
 
 def _store_compiled_call(state: ShardState, compiled: bool) -> None:
@@ -222,7 +213,7 @@ def _mark_compiled_call(state: ShardState, compiled: bool) -> None:
     if DEFERS_SIDE_EFFECT_CHECKS:
         state.compiled_call = compiled
     else:
-        unchecked_side_effect(_store_compiled_call, state, compiled)
+        unchecked_change_keeping_no_tensor(_store_compiled_call, state, compiled)
 
 
 def _enter_forward(state: ShardState) -> Callable[..., None]:
