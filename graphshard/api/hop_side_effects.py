@@ -8,19 +8,16 @@ side effect"), so these go through Dynamo's hatch, :data:`unchecked_side_effect`
 
 The hatch also marks the body as one whose tensors may have escaped into outside objects, and
 Dynamo then returns *every* intermediate of the body as an output, so that a later read finds
-them. That is needed for a change that keeps a tensor made in the body, and wrong for
-graphshard's: each stores no tensor, or takes it back before the body exits. The extra outputs
-did harm:
+them. That is needed for a change that keeps a tensor made in the body, and not for
+graphshard's: each stores no tensor, or takes it back before the body exits. The extra
+outputs did harm: Dynamo's pruning of unused ones (``dce_hop_extra_outputs``) misses a block
+region shared by several checkpoint bodies, so a region with a side effect of its own (a
+Hugging Face Mamba's mixer sets the active kernels on a global) kept every intermediate as
+an output. One made under ``vmap`` (Mamba's ``associative_scan``) cannot be an output, and
+``invoke_subgraph``'s schema trace failed ("Either your tensor may have escaped from inside
+a function being vmapped"; torch 2.11 to 2.14.1).
 
-- a block region called inside the checkpoint body returns all its intermediates too (they
-  are the body's outputs now), so nothing inside the region fuses and every intermediate is
-  materialised;
-- an intermediate made under ``vmap`` (``torch._higher_order_ops.associative_scan`` in a
-  Hugging Face Mamba's selective scan) cannot be a region's output at all: ``invoke_subgraph``
-  re-traces the body for its schema and fails ("Either your tensor may have escaped from
-  inside a function being vmapped").
-
-:func:`changes_keep_no_tensor` lets a caller take the mark back once its changes are undone.
+:func:`changes_keep_no_tensor` lets a caller put the mark back once its changes are undone.
 """
 
 from __future__ import annotations
