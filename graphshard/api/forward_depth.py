@@ -73,8 +73,6 @@ DEFERS_SIDE_EFFECT_CHECKS = hasattr(torch._dynamo.side_effects.SideEffects,
                                     "defer_side_effect_checks")
 
 
-
-
 def mark_forward_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a forward (pre-)hook that graphshard installs: a registered method runs it too."""
     setattr(hook, _HOOK_ATTR, True)
