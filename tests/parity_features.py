@@ -1,5 +1,5 @@
-"""Parity cases for the training features: frozen and tied parameters, BatchNorm buffers,
-activation checkpointing, eval/no_grad, graph breaks and shape changes.
+"""Parity cases for the training features: frozen and tied parameters, gradient hooks,
+BatchNorm buffers, activation checkpointing, eval/no_grad, graph breaks and shape changes.
 
 Each case trains a tiny model on real gloo ranks (eager and compiled) and, in one process,
 a reference that sees every rank's batch. Buffers are per rank as in DDP: the reference keeps
@@ -116,6 +116,24 @@ class CheckpointTied(nn.Module):
         return F.cross_entropy(logits, targets)
 
 
+HOOK_CLAMP = 2e-3  # below the largest entries of blocks.0.up's gradient: the clamp bites
+
+
+def _halve_grad(param: torch.Tensor) -> None:
+    param.grad.mul_(0.5)
+
+
+def grad_hooks() -> nn.Module:
+    """Gradient hooks registered before ``shard()``: a clamp (not linear in the gradient,
+    so it must see the reduced gradient, as in one process) inside a block, a scale on the
+    head and a post-accumulate-grad hook that halves a bias's gradient."""
+    model = Blocks()
+    model.blocks[0].up.weight.register_hook(lambda g: g.clamp(-HOOK_CLAMP, HOOK_CLAMP))
+    model.head.weight.register_hook(lambda g: g * 2.0)
+    model.blocks[1].down.bias.register_post_accumulate_grad_hook(_halve_grad)
+    return model
+
+
 class BatchNormNet(nn.Module):
     """BatchNorm between two Linears: running statistics are buffers, per rank."""
 
@@ -166,6 +184,7 @@ class FeatureCase:
 
 CASES: dict[str, FeatureCase] = {
     "frozen_tied": FeatureCase(frozen_tied, _tokens, shard=tied_shard),
+    "grad_hooks": FeatureCase(grad_hooks, _regression),
     "batchnorm_eval": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP),
     "batchnorm_inference_mode": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP,
                                             eval_mode=torch.inference_mode),

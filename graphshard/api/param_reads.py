@@ -115,10 +115,13 @@ def _read_param(
         # the local is a plain input that requires grad either way) must not take no_sync's
         # held-back gradient: no backward of it would fold that in
         return unshard(shard, *spec)
-    if sync == GradSync.NONE:
-        return unshard(shard, *spec, sync, entry.unreduced)
-    if sync == GradSync.PARTIAL:
-        return unshard(shard, *spec, sync, entry.partial)
+    if sync in (GradSync.NONE, GradSync.PARTIAL):
+        # The held-back gradient goes to no_sync's accumulator, none to the shard: eagerly the
+        # shard is left out of the graph, so that its gradient hooks (the user's) are not
+        # called with None. (A compiled backward hands it no gradient either.)
+        held = entry.unreduced if sync == GradSync.NONE else entry.partial
+        return unshard(shard if torch.compiler.is_compiling() else shard.detach(), *spec,
+                       sync, held)
     armed = entry.armed
     if armed is None:
         return unshard(shard, *spec, sync)

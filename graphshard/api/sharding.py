@@ -60,6 +60,7 @@ from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import GradSync, UnshardSpec, reshard_code
 from graphshard.records import STATE_ATTR, ShardedParam, ShardState
 from graphshard.safety import guards
+from graphshard.safety.param_hooks import carry_grad_hooks
 
 __all__ = [
     "shard", "ShardedParam", "ShardState", "shard_state", "is_sharded", "MixedPrecision",
@@ -579,6 +580,7 @@ def shard(
                 else:
                     param = sharded_parameter(p, host or mesh, rank, offload)
                     entry = ShardedParam([fqn], p.shape, bucket, pinned, param)
+                carry_grad_hooks(p, param)  # the user's gradient hooks stay on it
                 by_param[id(p)] = entry
                 state.params.append(entry)
             elif fqn not in entry.names:

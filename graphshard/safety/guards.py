@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from graphshard.errors import ShardedModelError
 from graphshard.safety.data_assignment import record_wrapper, refuse_data_assignments
 from graphshard.safety.fingerprint import check_shard_plan, check_shard_values
+from graphshard.safety.param_hooks import carry_grad_hooks, reinstall_grad_hooks
 
 __all__ = [
     "collect_originals", "after_shard", "on_new_storage", "refuse_copies",
@@ -137,7 +138,9 @@ def _guard_class(cls: type) -> None:
             new = self._parameters[pname]
             if new is not old:
                 _follow(self, pname, entries[pname], old, new)
-            _new_storage(entries[pname])  # a swap keeps the Parameter object
+            else:  # a swap keeps the Parameter object, and autograd drops its hooks
+                reinstall_grad_hooks(new)
+            _new_storage(entries[pname])
         return out
 
     cls.__setattr__ = __setattr__
@@ -245,9 +248,7 @@ def _new_storage(entry: Any) -> None:
 def _follow(module: nn.Module, pname: str, entry: Any, old: nn.Parameter, new: nn.Parameter):
     """Re-point the sharding record from ``old`` to ``new``, keeping tied parameters tied."""
     if entry.param is old:  # the first owner to change: the record follows
-        for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-            if getattr(old, hooks, None):
-                setattr(new, hooks, getattr(old, hooks))
+        carry_grad_hooks(old, new)
         entry.param = new
         _new_storage(entry)
     module._parameters[pname] = entry.param  # a tied owner shares that one Parameter
