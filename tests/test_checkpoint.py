@@ -6,7 +6,9 @@ One sequence shares a checkpoint directory (module fixture ``runs``):
 1. world 2: train 3 steps, save, train 3 more (``awkward`` eager, tiny Llama compiled);
 2. world 3: load the world-2 checkpoints and save them again; mismatched loads; a full
    state dict broadcast from rank 0;
-3. world 1 (in this process): load the world-2 and world-3 checkpoints, save again;
+   torch's ``dcp.async_save`` at step 3 too, written while the next 3 steps train;
+3. world 1 (in this process): load the world-2 and world-3 checkpoints, save again; load
+   the asynchronous one with ``dcp.load``;
 4. world 2, fresh processes and process group: resume from step 3 and train 3 steps; load
    the world-3 and world-1 checkpoints back; then save step 6 with rank 1 killed mid-save;
 5. world 1 (in this process): the step-3 checkpoint is still the latest and loads exactly.
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from ckpt_utils import (
     assert_equal_state,
     build,
@@ -34,7 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
+    set_state_dict,
 )
 
 import graphshard
@@ -56,8 +62,17 @@ def _snapshot(model, opt) -> dict:
     return {"params": full_state(model), "optim": full_optim_state(model, opt)}
 
 
+def _dcp_state(model, opt) -> dict:
+    """What a DCP user saves and loads: torch's state dicts of the model and optimizer."""
+    model_state, optim_state = get_state_dict(model, opt)
+    return {"model": model_state, "optim": optim_state}
+
+
 def job_train_and_save(rank: int, world_size: int, root: str) -> dict:
     out = {}
+    # dcp.async_save's collectives run in a thread of their own: on a gloo-only world they
+    # need a group of their own, or they interleave with the training's on one group
+    async_group = dist.new_group(backend="gloo")
     for kind, mode in KINDS.items():
         model, run, opt, sched = _sharded(kind, mode)
         initial = full_state(model)
@@ -65,13 +80,16 @@ def job_train_and_save(rank: int, world_size: int, root: str) -> dict:
         graphshard.save_checkpoint(f"{root}/{kind}", model, opt, step=3,
                                    extra={"scheduler": sched.state_dict()})
         at3 = _snapshot(model, opt)
+        pending = dcp.async_save(_dcp_state(model, opt), checkpoint_id=f"{root}/{kind}_async",
+                                 process_group=async_group)
         if kind == "awkward":
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
             out["rank0_only_keys"] = sorted(full)
             if rank == 0:
                 torch.save(full, f"{root}/awkward_full.pt")
-        losses = train(kind, run, opt, sched, range(3, 6))
+        losses = train(kind, run, opt, sched, range(3, 6))  # while the async save writes
+        pending.result()
         out[kind] = {"initial": initial, "at3": at3, "losses": losses,
                      "final": _snapshot(model, opt)}
     return out
@@ -130,6 +148,13 @@ def world1(root: str) -> dict:
     set_model_state_dict(model, torch.load(f"{root}/awkward_full.pt"),
                          options=StateDictOptions(full_state_dict=True))
     out["full"] = full_state(model)
+    for kind in KINDS:  # torch's asynchronous saves, as torch loads them
+        model, _, opt, _ = _sharded(kind)
+        state = _dcp_state(model, opt)
+        dcp.load(state, checkpoint_id=f"{root}/{kind}_async")
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        out[f"{kind}_async"] = _snapshot(model, opt)
     return out
 
 
@@ -215,6 +240,19 @@ def test_reshard_on_load_world3_and_world1(runs):
         assert w1[name]["saved_world"] == world
         assert_equal_state(w1[name]["params"], saved["params"], f"w1 {name}")
         assert_equal_state(w1[name]["optim"], saved["optim"], f"w1 {name}")
+
+
+def test_dcp_async_save_holds_the_step_it_was_given_while_training_goes_on(runs):
+    """``dcp.async_save`` copies the shards (views into graphshard's bucket buffers) before it
+    returns: the checkpoint written while steps 4 to 6 trained in place holds step 3."""
+    for kind in KINDS:
+        w2 = runs["w2"][0][kind]
+        got = runs["w1"][f"{kind}_async"]
+        assert_equal_state(got["params"], w2["at3"]["params"], f"async {kind}")
+        assert_equal_state(got["optim"], w2["at3"]["optim"], f"async {kind}")
+        moved = [k for k, v in w2["final"]["params"].items()
+                 if not torch.equal(v, w2["at3"]["params"][k])]
+        assert moved, kind  # the training did change the shards during the write
 
 
 def test_reshard_back_to_world2(runs):
