@@ -9,14 +9,14 @@ would come out silently unchanged. So they move to the sharded parameter
 
 ``.to()`` and ``to_empty()`` give a DTensor parameter new contents with
 ``torch.utils.swap_tensors``: the Python object and its hook dicts stay, but autograd no
-longer calls the hooks (torch 2.11 to 2.14). :func:`reinstall_grad_hooks` hands autograd
-the dicts again.
+longer calls the hooks (torch 2.11, 2.13 and 2.14.1). :func:`reinstall_grad_hooks` hands
+autograd the dicts again.
 
 The new parameter takes the old one's hook dicts themselves, not copies: a handle the user
 kept still removes its hook. A hook then sees what a hook on a sharded parameter sees:
 the DTensor gradient after the reduce-scatter, which is the whole batch's gradient, as a
-hook in one process sees it (``g * 2``, ``g.clamp(...)`` and ``g / g.norm()`` give one
-process's values). A post-accumulate-grad hook is handed the sharded parameter.
+hook in one process sees it (``g * 2`` and ``g.clamp(...)`` give one process's values at
+world 2). A post-accumulate-grad hook is handed the sharded parameter.
 """
 
 from __future__ import annotations
