@@ -98,8 +98,19 @@ class NoGradReadsFirst(nn.Module):
         return MLPOutput(torch.nn.functional.mse_loss(x, y), x)
 
 
+def _hooked_mlp() -> nn.Module:
+    """``mlp_odd`` with gradient hooks registered before ``shard()``, both linear in the
+    gradient (a sharded run calls them once on a held-back sum, one process per
+    micro-batch): the first weight's gradient doubled, the last bias's negated."""
+    model = parity.CASES["mlp_odd"].build()
+    model.layers[0].weight.register_hook(lambda grad: grad * 2.0)
+    model.layers[-1].bias.register_hook(lambda grad: -grad)
+    return model
+
+
 CASES = {**parity.CASES, "reread_break": Case(RereadAcrossBreak, parity.CASES["mlp_odd"].batch),
-         "no_grad_read_first": Case(NoGradReadsFirst, parity.CASES["mlp_odd"].batch)}
+         "no_grad_read_first": Case(NoGradReadsFirst, parity.CASES["mlp_odd"].batch),
+         "hooked_mlp": Case(_hooked_mlp, parity.CASES["mlp_odd"].batch)}
 
 
 def build(case: str) -> nn.Module:

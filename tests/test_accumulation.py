@@ -35,6 +35,9 @@ WORLD4_JOBS = [
     ("mlp_odd", "compiled", "reduce_scatter", "2d", "fp32"),
     ("mlp_odd", "eager", "no_sync", "2d", "fp32"),
     ("mlp_odd", "lowered", "no_sync", "2d", "fp32"),
+    # hooks registered before shard(): once, on the replicas' held-back sum
+    ("hooked_mlp", "eager", "reduce_scatter", "2d", "fp32"),
+    ("hooked_mlp", "lowered", "reduce_scatter", "2d", "fp32"),
 ]
 # shard(gradient_divide_factor=...): summed gradients divided by the factor (1.0: a plain sum,
 # each rank's loss divided by the world size instead, as torchtitan divides by global tokens).
