@@ -2,7 +2,8 @@
 (``graphshard.safety.param_hooks``): through ``shard()`` itself, the meta-device recipe's
 ``to_empty()``, ``.to()`` after sharding, and ``no_sync``. On one real gloo rank; the
 numerics of hooks on two ranks against one process are a case of
-``tests/test_training_features.py`` (``grad_hooks``)."""
+``tests/test_training_features.py`` (``grad_hooks``), and on HSDP's four ranks under
+``no_sync`` one of ``tests/test_accumulation.py`` (``hooked_mlp``)."""
 
 from __future__ import annotations
 
