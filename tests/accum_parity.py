@@ -98,6 +98,32 @@ class NoGradReadsFirst(nn.Module):
         return MLPOutput(torch.nn.functional.mse_loss(x, y), x)
 
 
+class SkipsABranchLast(nn.Module):
+    """A side branch that every micro-batch of a step takes but the last (an image tower
+    that a text-only micro-batch skips; the harness sets ``last_micro``, see
+    :func:`_before_micro`). The synced backward's forward does not read the branch, yet what
+    no_sync held back for it must be reduced in that step, as DDP does; before 2026-12-06 it
+    stayed held back and the next step that read the branch added it in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = parity.CASES["mlp_odd"].build()
+        self.side = nn.Linear(13, 3)
+        self.last_micro = False
+
+    def forward(self, x, y):
+        out = self.mlp(x).output
+        if not self.last_micro:
+            out = out + torch.tanh(self.side(x))
+        return MLPOutput(torch.nn.functional.mse_loss(out, y), out)
+
+
+def _before_micro(model: nn.Module, micro: int) -> None:
+    """What a case changes per micro-batch: :class:`SkipsABranchLast`'s branch."""
+    if isinstance(model, SkipsABranchLast):
+        model.last_micro = micro == MICRO - 1
+
+
 def _hooked_mlp() -> nn.Module:
     """``mlp_odd`` with gradient hooks registered before ``shard()``, both linear in the
     gradient (a sharded run calls them once on a held-back sum, one process per
@@ -110,7 +136,8 @@ def _hooked_mlp() -> nn.Module:
 
 CASES = {**parity.CASES, "reread_break": Case(RereadAcrossBreak, parity.CASES["mlp_odd"].batch),
          "no_grad_read_first": Case(NoGradReadsFirst, parity.CASES["mlp_odd"].batch),
-         "hooked_mlp": Case(_hooked_mlp, parity.CASES["mlp_odd"].batch)}
+         "hooked_mlp": Case(_hooked_mlp, parity.CASES["mlp_odd"].batch),
+         "skips_a_branch_last": Case(SkipsABranchLast, parity.CASES["mlp_odd"].batch)}
 
 
 def build(case: str) -> nn.Module:
@@ -142,6 +169,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, 
         for micro in range(MICRO):
             held_back = accum != "sync" and micro < MICRO - 1
             hold = graphshard.no_sync(model, reduce_scatter=accum == "reduce_scatter")
+            _before_micro(model, micro)
             with hold if held_back else contextlib.nullcontext():
                 loss = CASES[case].loss(run, _micro_batch(case, step, micro, rank))
                 (loss.float() * loss_scale).backward()
@@ -161,6 +189,7 @@ def train_reference(case: str, world_size: int) -> dict:
     for step in range(STEPS):
         total = 0.0
         for micro in range(MICRO):
+            _before_micro(model, micro)
             for r in range(world_size):
                 loss = CASES[case].loss(model, _micro_batch(case, step, micro, r)) / world_size
                 loss.backward()

@@ -16,6 +16,9 @@ WORLD2_JOBS = [
     ("mlp_odd", "eager", "sync", "1d", "fp32"),
     ("mlp_odd", "compiled", "sync", "1d", "fp32"),
     ("llama_untied", "lowered", "no_sync", "1d", "fp32"),
+    # a branch the last micro-batch skips: its held-back gradient reduced all the same
+    ("skips_a_branch_last", "eager", "no_sync", "1d", "fp32"),
+    ("skips_a_branch_last", "lowered", "no_sync", "1d", "fp32"),
     # each block reads its weight under torch.no_grad() before the read that trains
     ("no_grad_read_first", "compiled", "no_sync", "1d", "fp32"),
     ("no_grad_read_first", "eager", "no_sync", "1d", "fp32"),
@@ -35,6 +38,8 @@ WORLD4_JOBS = [
     ("mlp_odd", "compiled", "reduce_scatter", "2d", "fp32"),
     ("mlp_odd", "eager", "no_sync", "2d", "fp32"),
     ("mlp_odd", "lowered", "no_sync", "2d", "fp32"),
+    ("skips_a_branch_last", "eager", "no_sync", "2d", "fp32"),
+    ("skips_a_branch_last", "lowered", "reduce_scatter", "2d", "fp32"),
     # hooks registered before shard(): once, on the replicas' held-back sum
     ("hooked_mlp", "eager", "reduce_scatter", "2d", "fp32"),
     ("hooked_mlp", "lowered", "reduce_scatter", "2d", "fp32"),

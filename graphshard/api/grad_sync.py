@@ -12,16 +12,25 @@ Two ways, as in FSDP2:
 
 The mode is read when the model runs; a compiled model is recompiled once per mode (the
 graphs differ: the no_sync backward has no collective), then each graph is reused.
+
+The synced backward reduces everything held back, as DDP does: a parameter its forward read
+folds its held-back gradient into its own reduction; one it did not read (a branch only
+earlier micro-batches took) has it reduced at the end of that backward
+(:func:`_reduce_unread`). Before 2026-12-06 such a gradient stayed held back: the step went
+without it and a later step that read the parameter added it in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from graphshard.api.eager_kernels import from_gathered
 from graphshard.api.forward_depth import mark_forward_hook
 from graphshard.api.sharding import shard_state
 from graphshard.errors import GraphshardRuntimeError
@@ -108,7 +117,7 @@ def _install_folding(root: nn.Module, state: ShardState) -> None:
     backward has folded them in."""
     for entry in state.params:
         if entry.param.requires_grad:
-            entry.param.register_hook(_drop_when_folded(entry))
+            entry.param.register_hook(_drop_when_folded(state, entry))
     root.register_forward_pre_hook(_arm_held_back(state))
     state.folds_held_back = True
 
@@ -128,19 +137,71 @@ def _arm_held_back(state: ShardState):
     return hook
 
 
-def _drop_when_folded(entry: ShardedParam):
+def _drop_when_folded(state: ShardState, entry: ShardedParam):
     """Once the shard receives a reduced gradient that folded in what no_sync held back,
-    drop it. (A backward that held its gradient back hands the shard None.)"""
+    drop it. (A backward that held its gradient back hands the shard None.) Every reduced
+    gradient also makes sure that this backward reduces what its forward did not read."""
 
     def hook(grad: torch.Tensor | None) -> None:
-        if grad is None or not entry.folding:
+        if grad is None:
+            return
+        _reduce_unread_after_this_backward(state)
+        if not entry.folding:
             return
         entry.folding = False
-        for leaf in (entry.unreduced, entry.partial):
-            if leaf is not None:
-                leaf.grad = None
+        _drop_held_back(entry)
 
     return hook
+
+
+def _drop_held_back(entry: ShardedParam) -> None:
+    for leaf in (entry.unreduced, entry.partial):
+        if leaf is not None:
+            leaf.grad = None
+
+
+def _reduce_unread_after_this_backward(state: ShardState) -> None:
+    """Once per backward: if its forward left held-back gradients armed (parameters it did
+    not read), reduce them when the backward ends (:func:`_reduce_unread`). By then every
+    read has taken its own; the ranks ran the same forward (``safety.rank_agreement``), so
+    they reduce the same parameters in the same order."""
+    task = torch._C._current_graph_task_id()
+    if state.unread_check_task == task:
+        return
+    state.unread_check_task = task
+    if any(entry.armed is not None for entry in state.params):
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_reduce_unread, state))
+
+
+def _reduce_unread(state: ShardState) -> None:
+    """Reduce each armed held-back gradient into its parameter's ``.grad``, as a read would
+    have folded it into its reduction: through ``unshard``'s own backward (the same
+    collectives, dtypes, divide factor, replicas and offload copy), with a zero gradient of
+    its own. A trainable parameter gets it through autograd (its hooks run, on the sum, as
+    for a read); a parameter frozen since it was held back gets it added to ``.grad``, as
+    autograd left it in one process."""
+    unread = [(entry, entry.armed) for entry in state.params if entry.armed is not None]
+    for entry, _ in unread:
+        entry.armed = None
+    specs = {id(entry): spec for members in state.bucket_members.values()
+             for entry, spec in members}
+    for entry, armed in unread:
+        spec = specs[id(entry)]
+        param = entry.param
+        with torch.enable_grad():  # the callback runs with gradients off
+            shard = param.to_local().detach().requires_grad_()
+            zero = torch.zeros((), dtype=spec.param_dtype or shard.dtype,
+                               device=spec.compute_device or shard.device)
+            full = zero.expand(entry.full_shape)
+            from_gathered(full, shard, *spec, GradSync.FULL, None, *armed).backward(full)
+            if param.requires_grad:
+                torch.autograd.backward(param.to_local(), shard.grad)
+        if not param.requires_grad:
+            grad = DTensor.from_local(shard.grad, param.device_mesh, param.placements,
+                                      shape=param.shape, stride=param.stride())
+            param.grad = grad if param.grad is None else param.grad + grad
+        _drop_held_back(entry)
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
