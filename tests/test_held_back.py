@@ -1,8 +1,9 @@
 """What ``no_sync`` held back reaches the synced step even for parameters the synced
 micro-batch's forward did not read (``graphshard.api.grad_sync._reduce_unread``): a branch
-only earlier micro-batches took, a parameter frozen inside the window. On one real gloo
-rank; the same on 2 and 4 ranks (HSDP) against one process is ``tests/test_accumulation.py``'s
-``skips_a_branch_last``."""
+only earlier micro-batches took, one a compiled block's region gathered without using it, a
+parameter frozen inside the window; and only once when two backwards share the synced
+forward. On one real gloo rank; the same on 2 and 4 ranks (HSDP) against one process is
+``tests/test_accumulation.py``'s ``skips_a_branch_last``."""
 
 from __future__ import annotations
 
@@ -86,5 +87,77 @@ def test_a_parameter_frozen_inside_the_window_keeps_its_held_back_gradient(one_r
     reference(_x(0), True).backward()
     reference.side.requires_grad_(False)
     reference(_x(1), True).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), param.grad)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.side = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        out = torch.tanh(self.body(x))
+        return out + torch.tanh(self.side(x)) if side else out
+
+
+class _Blocks(nn.Module):
+    """Three like blocks: compiled, each runs in a compile region that gathers every
+    parameter of the block, the branch it does not take included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, side)
+        return x.square().mean()
+
+
+def test_a_branch_inside_compiled_blocks_gets_its_held_back_gradient(one_rank):
+    """The branch's parameters are read (gathered for the block's region) but get no
+    gradient back: their held-back gradients are reduced at the end of the backward all the
+    same, and nothing of them is left for the next step."""
+    model = graphshard.shard(_Blocks())
+    run = _run(model, "compiled")
+    reference = _Blocks()
+    with graphshard.no_sync(model):
+        run(_x(0), True).backward()
+    run(_x(1), False).backward()
+    reference(_x(0), True).backward()
+    reference(_x(1), False).backward()
+    for step in range(2):
+        for name, param in reference.named_parameters():
+            grad = model.get_parameter(name).grad
+            assert grad is not None, (step, name)
+            torch.testing.assert_close(grad.full_tensor(), param.grad)
+        model.zero_grad()
+        reference.zero_grad()
+        run(_x(2), True).backward()
+        reference(_x(2), True).backward()
+
+
+class _TwoLosses(_Branchy):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.body(x).square().mean(), self.side(x).square().mean()
+
+
+def test_a_second_backward_of_the_synced_forward_adds_the_held_back_gradient_once(one_rank):
+    """Eagerly, the synced forward's read of ``side`` carries its held-back gradient to its
+    reduction. The first backward (``body``'s loss) does not reach that reduction, so it
+    reduces the held-back gradient itself when it ends; the second (``side``'s loss) then
+    runs the read's reduction, which must not add it again."""
+    model = graphshard.shard(_TwoLosses())
+    reference = _TwoLosses()
+    with graphshard.no_sync(model):
+        sum(model(_x(0))).backward()
+    sum(reference(_x(0))).backward()
+    for net in (model, reference):
+        body, side = net(_x(1))
+        body.backward(retain_graph=True)
+        side.backward()
     for name, param in reference.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), param.grad)

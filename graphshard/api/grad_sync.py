@@ -15,9 +15,10 @@ graphs differ: the no_sync backward has no collective), then each graph is reuse
 
 The synced backward reduces everything held back, as DDP does: a parameter its forward read
 folds its held-back gradient into its own reduction; one it did not read (a branch only
-earlier micro-batches took) has it reduced at the end of that backward
-(:func:`_reduce_unread`). Before 2026-12-06 such a gradient stayed held back: the step went
-without it and a later step that read the parameter added it in.
+earlier micro-batches took), or read without a gradient coming back (a block's compile region
+gathers the branch too), has it reduced at the end of that backward (:func:`_reduce_unread`).
+Before 2026-12-06 such a gradient stayed held back: the step went without it and a later
+step that read the parameter added it in.
 """
 
 from __future__ import annotations
@@ -161,29 +162,43 @@ def _drop_held_back(entry: ShardedParam) -> None:
 
 
 def _reduce_unread_after_this_backward(state: ShardState) -> None:
-    """Once per backward: if its forward left held-back gradients armed (parameters it did
-    not read), reduce them when the backward ends (:func:`_reduce_unread`). By then every
-    read has taken its own; the ranks ran the same forward (``safety.rank_agreement``), so
+    """Once per backward: if held-back gradients wait to be folded in (armed: the forward did
+    not read the parameter; folding: it did), check when the backward ends that each one was
+    (:func:`_reduce_unread`). The ranks ran the same forward (``safety.rank_agreement``), so
     they reduce the same parameters in the same order."""
     task = torch._C._current_graph_task_id()
     if state.unread_check_task == task:
         return
     state.unread_check_task = task
-    if any(entry.armed is not None for entry in state.params):
+    if any(entry.armed is not None or entry.folding for entry in state.params):
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_reduce_unread, state))
 
 
+def _held_back_left(entry: ShardedParam) -> tuple | None:
+    """What no_sync held back for ``entry`` that the backward just ended did not fold in: the
+    armed gradients of a parameter the forward did not read, or those of one it read whose
+    reduction never ran (a block's compile region gathers every parameter of the block, a
+    branch it did not take included), else None."""
+    if entry.armed is not None:
+        return entry.armed
+    if not entry.folding:
+        return None
+    held = tuple(None if leaf is None else leaf.grad for leaf in (entry.unreduced, entry.partial))
+    return None if held == (None, None) else held
+
+
 def _reduce_unread(state: ShardState) -> None:
-    """Reduce each armed held-back gradient into its parameter's ``.grad``, as a read would
-    have folded it into its reduction: through ``unshard``'s own backward (the same
+    """Reduce each held-back gradient left unfolded into its parameter's ``.grad``, as a read
+    would have folded it into its reduction: through ``unshard``'s own backward (the same
     collectives, dtypes, divide factor, replicas and offload copy), with a zero gradient of
     its own. A trainable parameter gets it through autograd (its hooks run, on the sum, as
     for a read); a parameter frozen since it was held back gets it added to ``.grad``, as
     autograd left it in one process."""
-    unread = [(entry, entry.armed) for entry in state.params if entry.armed is not None]
-    for entry, _ in unread:
-        entry.armed = None
+    unread = [(entry, held) for entry in state.params
+              if (held := _held_back_left(entry)) is not None]
+    for entry in state.params:
+        entry.armed, entry.folding = None, False
     specs = {id(entry): spec for members in state.bucket_members.values()
              for entry, spec in members}
     for entry, armed in unread:
@@ -201,6 +216,9 @@ def _reduce_unread(state: ShardState) -> None:
             grad = DTensor.from_local(shard.grad, param.device_mesh, param.placements,
                                       shape=param.shape, stride=param.stride())
             param.grad = grad if param.grad is None else param.grad + grad
+        for held in armed:  # a read's marker may still hold it: a later backward adds 0
+            if held is not None:
+                held.zero_()
         _drop_held_back(entry)
 
 
