@@ -201,7 +201,7 @@ def _reduce_unread(state: ShardState) -> None:
         entry.armed, entry.folding = None, False
     specs = {id(entry): spec for members in state.bucket_members.values()
              for entry, spec in members}
-    for entry, armed in unread:
+    for entry, held in unread:
         spec = specs[id(entry)]
         param = entry.param
         with torch.enable_grad():  # the callback runs with gradients off
@@ -209,16 +209,16 @@ def _reduce_unread(state: ShardState) -> None:
             zero = torch.zeros((), dtype=spec.param_dtype or shard.dtype,
                                device=spec.compute_device or shard.device)
             full = zero.expand(entry.full_shape)
-            from_gathered(full, shard, *spec, GradSync.FULL, None, *armed).backward(full)
+            from_gathered(full, shard, *spec, GradSync.FULL, None, *held).backward(full)
             if param.requires_grad:
                 torch.autograd.backward(param.to_local(), shard.grad)
         if not param.requires_grad:
             grad = DTensor.from_local(shard.grad, param.device_mesh, param.placements,
                                       shape=param.shape, stride=param.stride())
             param.grad = grad if param.grad is None else param.grad + grad
-        for held in armed:  # a read's marker may still hold it: a later backward adds 0
-            if held is not None:
-                held.zero_()
+        for tensor in held:  # a read's marker may still hold it: a later backward adds 0
+            if tensor is not None:
+                tensor.zero_()
         _drop_held_back(entry)
 
 
