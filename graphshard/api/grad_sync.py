@@ -199,6 +199,8 @@ def _reduce_unread(state: ShardState) -> None:
               if (held := _held_back_left(entry)) is not None]
     for entry in state.params:
         entry.armed, entry.folding = None, False
+    if not unread:  # the common case: every read folded its own in
+        return
     specs = {id(entry): spec for members in state.bucket_members.values()
              for entry, spec in members}
     for entry, held in unread:
