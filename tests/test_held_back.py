@@ -7,6 +7,8 @@ forward. On one real gloo rank; the same on 2 and 4 ranks (HSDP) against one pro
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -161,3 +163,84 @@ def test_a_second_backward_of_the_synced_forward_adds_the_held_back_gradient_onc
         side.backward()
     for name, param in reference.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), param.grad)
+
+
+class _Recomputed(nn.Module):
+    """A layer, then two blocks under a reentrant ``torch.utils.checkpoint``: its backward
+    recomputes a block and runs the block's backward as a backward of its own, inside the
+    step's, before the step's backward reaches ``first``; and a branch, ``side``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.last = nn.Linear(6, 3)
+        self.side = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.first(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        out = self.last(h)
+        return (out + torch.tanh(self.side(x)) if side else out).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_reentrant_checkpoints_backward_does_not_end_the_steps(one_rank, mode):
+    """The nested backward of a reentrant checkpoint ends before the step's reaches
+    ``first``, whose read folds its held-back gradient in: that end is not the step's, so
+    nothing is reduced there. Before the fix the held-back gradient was reduced (and zeroed)
+    at it: eagerly ``first``'s hook ran twice, compiled the step's backward then found a
+    tensor it saved changed ("modified by an inplace operation"). The branch only the first
+    micro-batch takes still gets its held-back gradient, at the end of the step's backward."""
+    seen = []
+    model = _Recomputed()
+    model.first.weight.register_hook(lambda grad: seen.append(grad.full_tensor()))
+    graphshard.shard(model)
+    run = _run(model, mode)
+    reference = _Recomputed()
+    for step in range(2):
+        for micro in range(3):
+            with graphshard.no_sync(model) if micro < 2 else contextlib.nullcontext():
+                run(_x(10 * step + micro), micro == 0).backward()
+            reference(_x(10 * step + micro), micro == 0).backward()
+        assert len(seen) == step + 1
+        torch.testing.assert_close(seen[-1], reference.first.weight.grad)
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), param.grad)
+        model.zero_grad()
+        reference.zero_grad()
+
+
+class _AllRecomputed(_Blocks):
+    """``_Blocks`` with every block under a reentrant checkpoint: each reduction runs in a
+    nested backward, none in the step's own."""
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.requires_grad_()
+        for block in self.blocks:
+            x = checkpoint(block, x, side, use_reentrant=True)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_branch_inside_reentrant_checkpoints_gets_its_held_back_gradient(one_rank, mode):
+    """The branch the synced micro-batch skips is reduced at the end of the step's backward,
+    which no reduction of its own runs in: the check moves there from the nested ones."""
+    model = graphshard.shard(_AllRecomputed())
+    run = _run(model, mode)
+    reference = _AllRecomputed()
+    with graphshard.no_sync(model):
+        run(_x(0), True).backward()
+    run(_x(1), False).backward()
+    reference(_x(0), True).backward()
+    reference(_x(1), False).backward()
+    for name, param in reference.named_parameters():
+        grad = model.get_parameter(name).grad
+        assert grad is not None, name
+        torch.testing.assert_close(grad.full_tensor(), param.grad)

@@ -18,7 +18,8 @@ folds its held-back gradient into its own reduction; one it did not read (a bran
 earlier micro-batches took), or read without a gradient coming back (a block's compile region
 gathers the branch too), has it reduced at the end of that backward (:func:`_reduce_unread`).
 Before 2026-12-06 such a gradient stayed held back: the step went without it and a later
-step that read the parameter added it in.
+step that read the parameter added it in. The end is the step's backward's, not that of a
+backward nested in it (a reentrant checkpoint's).
 """
 
 from __future__ import annotations
@@ -175,6 +176,14 @@ def _reduce_unread_after_this_backward(state: ShardState) -> None:
             functools.partial(_reduce_unread, state))
 
 
+def _check_after_enclosing_node(state: ShardState, grad_inputs: tuple,
+                                grad_outputs: tuple) -> None:
+    """After the node that ran a nested backward, in the enclosing backward: check at its end
+    (a second check queued there, where one already is, finds nothing left)."""
+    state.unread_check_task = -1
+    _reduce_unread_after_this_backward(state)
+
+
 def _held_back_left(entry: ShardedParam) -> tuple | None:
     """What no_sync held back for ``entry`` that the backward just ended did not fold in: the
     armed gradients of a parameter the forward did not read, or those of one it read whose
@@ -194,7 +203,17 @@ def _reduce_unread(state: ShardState) -> None:
     collectives, dtypes, divide factor, replicas and offload copy), with a zero gradient of
     its own. A trainable parameter gets it through autograd (its hooks run, on the sum, as
     for a read); a parameter frozen since it was held back gets it added to ``.grad``, as
-    autograd left it in one process."""
+    autograd left it in one process.
+
+    A backward that ends inside another backward's node (a reentrant
+    ``torch.utils.checkpoint`` recomputes its body and runs the body's backward from within
+    its own node) is not the end: the enclosing backward may still reduce what is held back
+    (the layers before the checkpointed ones). The check moves to the end of the enclosing
+    one."""
+    enclosing = torch._C._current_autograd_node()
+    if enclosing is not None:
+        enclosing.register_hook(functools.partial(_check_after_enclosing_node, state))
+        return
     unread = [(entry, held) for entry in state.params
               if (held := _held_back_left(entry)) is not None]
     for entry in state.params:
