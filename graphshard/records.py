@@ -80,9 +80,12 @@ class ShardState:
     replica_size: int = 1
     mixed_precision: MixedPrecision | None = None
     folds_held_back: bool = False  # no_sync's hooks are installed (on its first use)
-    # the last backward (autograd graph task) checked for held-back gradients its forward
-    # did not read (graphshard.api.grad_sync)
+    # autograd graph tasks (backwards) seen by graphshard.api.grad_sync: the last that
+    # reduced a gradient (and was checked for held-back gradients left unreduced), the last
+    # that held one back, and the last whose end runs that check
     unread_check_task: int = -1
+    held_back_task: int = -1
+    unread_queued_task: int = -1
     forward_depth: int = 0  # module forwards of this model now running (attribute reads gather)
     # whether the running root forward was called through torch.compile (api.forward_depth)
     compiled_call: bool = False

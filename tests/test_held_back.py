@@ -244,3 +244,29 @@ def test_a_branch_inside_reentrant_checkpoints_gets_its_held_back_gradient(one_r
         grad = model.get_parameter(name).grad
         assert grad is not None, name
         torch.testing.assert_close(grad.full_tensor(), param.grad)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_micro_batches_forwarded_under_no_sync_and_after_it_with_one_backward(one_rank, mode):
+    """Three forwards, the first two under ``no_sync``, then one backward of the summed
+    losses: that backward holds the first two's gradients back and reduces the third's (the
+    reductions it runs first). What it held back is reduced when it ends, with the rest:
+    before, it stayed held back and went into the next step (a step late, silently)."""
+    model = graphshard.shard(_Branchy())
+    run = _run(model, mode)
+    reference = _Branchy()
+    for step in range(2):
+        losses = []
+        for micro in range(3):
+            with graphshard.no_sync(model) if micro < 2 else contextlib.nullcontext():
+                losses.append(run(_x(10 * step + micro), micro == 0))
+        sum(losses).backward()
+        sum(reference(_x(10 * step + micro), micro == 0) for micro in range(3)).backward()
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), param.grad)
+        with torch.no_grad():  # a step between, so that a gradient a step late shows
+            for name, param in reference.named_parameters():
+                param.sub_(param.grad)
+                model.get_parameter(name).sub_(model.get_parameter(name).grad)
+        model.zero_grad()
+        reference.zero_grad()

@@ -91,9 +91,11 @@ def _set_mode(model: nn.Module, state: ShardState, mode: int) -> None:
         device, dtype = _accum_device(state, entry), _accum_dtype(state, entry)
         if mode == GradSync.NONE and not _usable(entry.unreduced, device, dtype, entry):
             entry.unreduced = _stub_leaf(entry.full_shape, dtype, device)
+            entry.unreduced.register_hook(_note_held_back(state))
         if mode == GradSync.PARTIAL and not _usable(entry.partial, device, dtype, entry):
             piece = Dim0Layout(entry.full_shape, state.world_size).piece_shape
             entry.partial = _stub_leaf(piece, dtype, device)
+            entry.partial.register_hook(_note_held_back(state))
     state.sync = mode
 
 
@@ -163,15 +165,37 @@ def _drop_held_back(entry: ShardedParam) -> None:
 
 
 def _reduce_unread_after_this_backward(state: ShardState) -> None:
-    """Once per backward: if held-back gradients wait to be folded in (armed: the forward did
-    not read the parameter; folding: it did), check when the backward ends that each one was
-    (:func:`_reduce_unread`). The ranks ran the same forward (``safety.rank_agreement``), so
-    they reduce the same parameters in the same order."""
+    """Once per backward that reduces: if held-back gradients wait to be folded in (armed: the
+    forward did not read the parameter; folding: it did), or this backward also held some
+    back, check when it ends that each one was (:func:`_reduce_unread`). The ranks ran the
+    same forwards (``safety.rank_agreement``), so they reduce the same parameters in the
+    same order."""
     task = torch._C._current_graph_task_id()
     if state.unread_check_task == task:
         return
     state.unread_check_task = task
-    if any(entry.armed is not None or entry.folding for entry in state.params):
+    if state.held_back_task == task or any(
+            entry.armed is not None or entry.folding for entry in state.params):
+        _check_at_the_end(state, task)
+
+
+def _note_held_back(state: ShardState):
+    """A hook on no_sync's accumulators: a gradient held back in a backward that also reduces
+    (micro-batches forwarded under no_sync and after it, then one backward of their summed
+    losses) is reduced when that backward ends, with the rest."""
+
+    def hook(grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        state.held_back_task = task
+        if state.unread_check_task == task:
+            _check_at_the_end(state, task)
+
+    return hook
+
+
+def _check_at_the_end(state: ShardState, task: int) -> None:
+    if state.unread_queued_task != task:
+        state.unread_queued_task = task
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_reduce_unread, state))
 
@@ -180,19 +204,18 @@ def _check_after_enclosing_node(state: ShardState, grad_inputs: tuple,
                                 grad_outputs: tuple) -> None:
     """After the node that ran a nested backward, in the enclosing backward: check at its end
     (a second check queued there, where one already is, finds nothing left)."""
-    state.unread_check_task = -1
+    state.unread_check_task = state.unread_queued_task = -1
     _reduce_unread_after_this_backward(state)
 
 
 def _held_back_left(entry: ShardedParam) -> tuple | None:
-    """What no_sync held back for ``entry`` that the backward just ended did not fold in: the
-    armed gradients of a parameter the forward did not read, or those of one it read whose
-    reduction never ran (a block's compile region gathers every parameter of the block, a
-    branch it did not take included), else None."""
+    """What no_sync held back for ``entry`` that the reducing backward just ended did not
+    fold in, else None: the armed gradients of a parameter the forward did not read; those
+    of one it read whose reduction never ran (a block's compile region gathers every
+    parameter of the block, a branch it did not take included); those this backward held
+    back itself."""
     if entry.armed is not None:
         return entry.armed
-    if not entry.folding:
-        return None
     held = tuple(None if leaf is None else leaf.grad for leaf in (entry.unreduced, entry.partial))
     return None if held == (None, None) else held
 
