@@ -7,6 +7,8 @@ sharded run's reductions must produce. Jobs are ``(case, mode, accum, mesh, prec
   which checks their arithmetic without paying for Inductor on 4 ranks);
 - ``accum``: "sync" (every micro-batch reduced), "no_sync" (held back unreduced) or
   "reduce_scatter" (``no_sync(reduce_scatter=True)``: partials, all-reduced once on HSDP);
+  with "+one_backward", each micro-batch is forwarded as before (the last one outside
+  ``no_sync``) and then one backward of the summed losses runs;
 - ``mesh``: "1d" or "2d" (replicate 2 x shard world/2);
 - ``precision``: "fp32" or "bf16/fp32", "bf16/bf16", "fp16/fp16" (param/reduce dtypes);
 - optionally ``divide_factor``: ``shard(gradient_divide_factor=...)``, the ranks' gradients
@@ -163,17 +165,22 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str, accum: str, 
     else:
         run = torch.compile(model, backend=graphshard.backend(inductor=mode == "compiled"))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    kind, one_backward = accum.removesuffix("+one_backward"), accum.endswith("+one_backward")
     losses = []
     for step in range(STEPS):
-        total = 0.0
+        total, pending = 0.0, []
         for micro in range(MICRO):
-            held_back = accum != "sync" and micro < MICRO - 1
-            hold = graphshard.no_sync(model, reduce_scatter=accum == "reduce_scatter")
+            held_back = kind != "sync" and micro < MICRO - 1
+            hold = graphshard.no_sync(model, reduce_scatter=kind == "reduce_scatter")
             _before_micro(model, micro)
             with hold if held_back else contextlib.nullcontext():
                 loss = CASES[case].loss(run, _micro_batch(case, step, micro, rank))
-                (loss.float() * loss_scale).backward()
+                pending.append(loss.float() * loss_scale)
+                if not one_backward:
+                    pending.pop().backward()
             total += loss.detach().float()
+        if pending:
+            sum(pending).backward()
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total)

@@ -22,6 +22,8 @@ WORLD2_JOBS = [
     # each block reads its weight under torch.no_grad() before the read that trains
     ("no_grad_read_first", "compiled", "no_sync", "1d", "fp32"),
     ("no_grad_read_first", "eager", "no_sync", "1d", "fp32"),
+    # forwards inside no_sync and after it, then one backward: it reduces what it held back
+    ("mlp_odd", "lowered", "no_sync+one_backward", "1d", "fp32"),
 ]
 MP_JOBS = [
     ("mlp_odd", "eager", "sync", "1d", "bf16/fp32"),
@@ -43,6 +45,8 @@ WORLD4_JOBS = [
     # hooks registered before shard(): once, on the replicas' held-back sum
     ("hooked_mlp", "eager", "reduce_scatter", "2d", "fp32"),
     ("hooked_mlp", "lowered", "reduce_scatter", "2d", "fp32"),
+    ("mlp_odd", "eager", "no_sync+one_backward", "2d", "fp32"),
+    ("mlp_odd", "lowered", "reduce_scatter+one_backward", "2d", "fp32"),
 ]
 # shard(gradient_divide_factor=...): summed gradients divided by the factor (1.0: a plain sum,
 # each rank's loss divided by the world size instead, as torchtitan divides by global tokens).
