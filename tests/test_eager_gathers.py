@@ -349,6 +349,32 @@ def test_each_buckets_gather_is_issued_one_bucket_ahead(fake2):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_a_backward_that_raises_leaves_nothing_gathered_again_for_later(fake2):
+    """A backward that raises part-way (a hook refusing a non-finite gradient) never reaches
+    its end, where what it gathered again and the gather it issued ahead go. The next
+    forward lets them go (before: the gather issued ahead stayed, never waited for, and
+    no later backward cleared what it gathered again), and the steps after run as usual."""
+    log: list[str] = []
+    model = _blocks_logged(True, log)
+    state = shard_state(model)
+    _step_logged(model, log)
+
+    def refuse(module: nn.Module, grads: tuple) -> None:
+        raise FloatingPointError("a non-finite gradient")
+
+    handle = model.blocks[1].register_full_backward_pre_hook(refuse)
+    with pytest.raises(FloatingPointError):
+        model(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    handle.remove()
+    assert state.regather_pending and state.regathered_clear_queued  # block 0's, ahead
+    for first in ("w ", ""):  # the first forward waits for that gather and drops it
+        forward, backward = _step_logged(model, log)
+        assert forward == first + "f0 G G w f1 G w f2 G w f3 w"
+        assert backward == "b3 b2 G G b1 G b0"
+        assert state.regather_pending == {} and not state.regathered_clear_queued
+        assert state.regathered == {}
+
+
 def test_a_forward_in_another_order_drops_what_it_did_not_read(fake2):
     """A forward that skips the bucket issued ahead (a data-dependent path) waits for it and
     drops it at its end; the next complete forward sets the order anew."""

@@ -98,6 +98,10 @@ def _let_go(state: ShardState, key: tuple[int, int]) -> None:
 def begin(state: ShardState) -> bool:
     """At the start of an eager forward (none running): put the hooks in place where the
     model reshards after the forward and autograd records; whether it did."""
+    if state.regathered_clear_queued and torch._C._current_graph_task_id() == -1:
+        # the last backward that gathered again raised before its end, where what it
+        # gathered (and the gather it issued ahead) would have gone: they go now
+        _clear(state)
     if (state.reshard_after_forward is False or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or not torch._C._autograd._saved_tensors_hooks_is_enabled()
