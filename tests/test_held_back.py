@@ -119,6 +119,16 @@ class _Blocks(nn.Module):
         return x.square().mean()
 
 
+def _branch_then_without(model: nn.Module, run, reference: nn.Module) -> None:
+    """Micro-batch 0 takes the branch under ``no_sync``, the synced micro-batch 1 does not;
+    the same two backwards of ``reference`` in one process."""
+    with graphshard.no_sync(model):
+        run(_x(0), True).backward()
+    run(_x(1), False).backward()
+    reference(_x(0), True).backward()
+    reference(_x(1), False).backward()
+
+
 def test_a_branch_inside_compiled_blocks_gets_its_held_back_gradient(one_rank):
     """The branch's parameters are read (gathered for the block's region) but get no
     gradient back: their held-back gradients are reduced at the end of the backward all the
@@ -126,11 +136,7 @@ def test_a_branch_inside_compiled_blocks_gets_its_held_back_gradient(one_rank):
     model = graphshard.shard(_Blocks())
     run = _run(model, "compiled")
     reference = _Blocks()
-    with graphshard.no_sync(model):
-        run(_x(0), True).backward()
-    run(_x(1), False).backward()
-    reference(_x(0), True).backward()
-    reference(_x(1), False).backward()
+    _branch_then_without(model, run, reference)
     for step in range(2):
         for name, param in reference.named_parameters():
             grad = model.get_parameter(name).grad
@@ -235,11 +241,7 @@ def test_a_branch_inside_reentrant_checkpoints_gets_its_held_back_gradient(one_r
     model = graphshard.shard(_AllRecomputed())
     run = _run(model, mode)
     reference = _AllRecomputed()
-    with graphshard.no_sync(model):
-        run(_x(0), True).backward()
-    run(_x(1), False).backward()
-    reference(_x(0), True).backward()
-    reference(_x(1), False).backward()
+    _branch_then_without(model, run, reference)
     for name, param in reference.named_parameters():
         grad = model.get_parameter(name).grad
         assert grad is not None, name
