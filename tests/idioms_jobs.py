@@ -80,10 +80,17 @@ def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return nn.functional.mse_loss(model(x), y)
 
 
-# Item 3, eagerly: torch's other element-wise optimizers, without a scheduler (name -> kwargs).
+# Item 3, eagerly: torch's other optimizers, without a scheduler (name[+foreach] -> kwargs).
+# The element-wise ones step through DTensor; Adafactor (means along the sharded dimension)
+# and Rprop (masked writes, list copies) through graphshard's handlers
+# (graphshard.api.optimizer_steps), in both of their paths.
 OTHER_OPTIMIZERS = {"Adagrad": {"lr": 0.05}, "RMSprop": {"lr": 0.01}, "Adamax": {"lr": 0.02},
                     "NAdam": {"lr": 0.02}, "RAdam": {"lr": 0.02}, "ASGD": {"lr": 0.05},
-                    "Adadelta": {"lr": 1.0}}
+                    "Adadelta": {"lr": 1.0},
+                    "Adafactor": {"lr": 0.05, "foreach": False},
+                    "Adafactor+foreach": {"lr": 0.05, "foreach": True},
+                    "Rprop": {"lr": 0.01, "foreach": False},
+                    "Rprop+foreach": {"lr": 0.01, "foreach": True}}
 
 
 def make_optimizer(name: str, params) -> tuple[torch.optim.Optimizer, object]:
@@ -102,7 +109,8 @@ def make_optimizer(name: str, params) -> tuple[torch.optim.Optimizer, object]:
         opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
         return opt, sched.LambdaLR(opt, lambda step: 0.8**step)
     if name in OTHER_OPTIMIZERS:
-        return getattr(torch.optim, name)(params, **OTHER_OPTIMIZERS[name]), None
+        cls = getattr(torch.optim, name.split("+")[0])
+        return cls(params, **OTHER_OPTIMIZERS[name]), None
     raise ValueError(name)
 
 

@@ -49,6 +49,15 @@ def test_llama_with_its_tp_plan_matches_one_process(world4, plan, mode):
     _assert_matches(world4, (plan, mode), tp_jobs.reference("llama", 2, lr=0.5))
 
 
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_adafactor_steps_dp_by_tp_parameters_like_one_process(world4, kind):
+    """torch's Adafactor, whose factored second moment takes means along dimensions sharded
+    over dp and over tp (graphshard.api.optimizer_steps), eagerly."""
+    lr = 0.5 if kind == "llama" else 0.1
+    _assert_matches(world4, ("adafactor", kind),
+                    tp_jobs.reference(kind, 2, lr=lr, optimizer="adafactor"))
+
+
 def test_every_parameter_lives_on_the_one_dp_tp_mesh(world4):
     """What the plan leaves alone (embedding, norms, output) is Replicate() on tp: one mesh
     for all, so torch's clip_grad_norm_ can stack the norms (checked in the runs above)."""

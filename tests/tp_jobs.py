@@ -75,8 +75,16 @@ def _grad_norm(model: nn.Module) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
-def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1) -> dict:
-    """SGD steps; with ``accum`` > 1 every micro-batch but the last runs under no_sync.
+def _optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "adafactor":  # its factored state, reduced across dp and tp shards
+        return torch.optim.Adafactor(params, lr=lr / 10)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1,
+           optimizer: str = "sgd") -> dict:
+    """SGD steps (or ``optimizer``'s); with ``accum`` > 1 every micro-batch but the last runs
+    under no_sync.
     ``mode``: "eager", "compiled" (Inductor) or "lowered" (the passes without Inductor).
     Losses per step (summed over micro-batches) and torch's global gradient norms."""
     torch._dynamo.reset()
@@ -84,7 +92,7 @@ def _train(model, mode: str, dp: int, kind: str, accum: int = 1, lr: float = 0.1
         run = model
     else:  # "compiled": through Inductor; "lowered": graphshard's transformed graphs run op by op
         run = torch.compile(model, backend=graphshard.backend(inductor=mode == "compiled"))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = _optimizer(optimizer, model.parameters(), lr)
     losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
@@ -133,6 +141,12 @@ def dp_tp_job(rank: int, world_size: int, save_dir: str) -> dict:
                                 "params": _params(model)}
         if mode == "eager":
             out["state"] = _state_dict_round_trip(model, mesh, save_dir)
+            for kind in ("mlp", "llama"):  # the optimizer steps outside the compiled graphs
+                model = _tp_model(kind, mesh["tp"], mesh["dp"])
+                out[("adafactor", kind)] = {
+                    **_train(model, mode, dp, kind, lr=0.5 if kind == "llama" else 0.1,
+                             optimizer="adafactor"),
+                    "params": _params(model)}
         model = _tp_model("llama_sp", mesh["tp"], mesh["dp"])
         out[("llama_sp", mode)] = {**_train(model, mode, dp, "llama", lr=0.5),
                                    "params": _params(model)}
@@ -264,12 +278,13 @@ def hsdp_tp_job(rank: int, world_size: int) -> dict:
     return out
 
 
-def reference(kind: str, dp_ranks: int, accum: int = 1, lr: float = 0.1) -> dict:
+def reference(kind: str, dp_ranks: int, accum: int = 1, lr: float = 0.1,
+              optimizer: str = "sgd") -> dict:
     """One process: every dp rank's batches, gradients averaged over dp ranks and summed
     over micro-batches (what graphshard's dp reduction and no_sync must produce)."""
     torch.manual_seed(0)
     model = MLP() if kind == "mlp" else Llama(llama_config("tiny"))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = _optimizer(optimizer, model.parameters(), lr)
     losses: list[list[float]] = [[] for _ in range(dp_ranks)]
     norms: list[float] = []
     for step in range(STEPS):

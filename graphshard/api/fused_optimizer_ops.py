@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from graphshard.api.dtensor_handlers import handlers_aside, same_mesh, through_dtensor
 
-__all__ = ["LOCAL_OPS", "dtensor_dispatch", "run_fused_optimizers_locally"]
+__all__ = ["LOCAL_OPS", "dtensor_dispatch", "holds_graphshard_shards",
+           "run_fused_optimizers_locally"]
 
 aten = torch.ops.aten
 
@@ -89,6 +90,12 @@ def run_fused_optimizers_locally(root: nn.Module, params: Iterable[torch.Tensor]
         for op in LOCAL_OPS:
             handlers.setdefault(op, _local_or_default)
         _installed = True
+
+
+def holds_graphshard_shards(params: Iterable[torch.Tensor]) -> bool:
+    """Whether one of ``params`` is a sharded parameter that :func:`graphshard.shard` made
+    (its model alive)."""
+    return any(id(param) in _SHARD_IDS for param in params)
 
 
 def _forget(ids: set[int]) -> None:

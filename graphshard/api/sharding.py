@@ -48,6 +48,7 @@ from graphshard.api.offload import (
     keep_buffers_on_device,
     resolve_offload,
 )
+from graphshard.api.optimizer_steps import step_reducing_optimizers
 from graphshard.api.param_reads import install_reads, register_state
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
@@ -593,6 +594,7 @@ def shard(
     local_index = dict(zip(map(id, state.params), register_locals(state.params), strict=True))
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
     run_fused_optimizers_locally(module, (entry.param for entry in state.params))
+    step_reducing_optimizers()  # and Adafactor's and Rprop's (api.optimizer_steps)
     # and clip_grad_norm_'s list ops on their gradients (api.grad_norm_ops)
     run_grad_norm_ops_locally(module, {id(e.param.device_mesh): e.param.device_mesh
                                        for e in state.params

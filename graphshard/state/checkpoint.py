@@ -48,7 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as distributed_empty
 
+from graphshard.api.optimizer_steps import reduced_state_placements
 from graphshard.api.sharding import is_sharded, shard_state
 from graphshard.errors import (
     CheckpointMismatchError,
@@ -156,13 +158,14 @@ def _flat_state(module: nn.Module, optimizer, rank: int) -> tuple[dict[str, Any]
         _check_optimizer_params(root, optimizer)
         meta["optimizer_type"] = _optimizer_type(optimizer)
         osd = get_optimizer_state_dict(root, optimizer)
+        full_shape = _full_shapes(shard_state(root))
         layout: dict[str, str] = {}
         objects: dict[str, Any] = {}
         for fqn, per in osd["state"].items():
             for key, value in per.items():
                 flat_key = f"{_OPTIM}{fqn}/{key}"
-                if isinstance(value, torch.Tensor):  # "dtensor": laid out like its parameter
-                    layout[flat_key] = "dtensor" if isinstance(value, DTensor) else "tensor"
+                if isinstance(value, torch.Tensor):
+                    layout[flat_key] = _tensor_kind(value, full_shape.get(fqn))
                     flat[flat_key] = value
                 else:
                     layout[flat_key] = "object"
@@ -463,7 +466,7 @@ def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -
     _check_param_groups(_param_fqns(state, optimizer),
                         [g["params"] for g in meta["param_groups"]], hint)
     _check_optimizer_kind(optimizer, meta, path)
-    full_shape = {e.names[0]: tuple(e.param.shape) for e in state.params}  # global (TP too)
+    full_shape = _full_shapes(state)
     bad = []
     for key, kind in meta["layout"].items():
         fqn = key[len(_OPTIM):].rsplit("/", 1)[0]
@@ -474,6 +477,9 @@ def _validate(root: nn.Module, optimizer, saved: dict, meta: dict, path: Path) -
             bad.append(f"{key}: missing from the checkpoint's tensors")
         elif kind in _DTENSOR_KINDS and shape != full_shape[fqn]:
             bad.append(f"{key}: checkpoint {shape} vs model {full_shape[fqn]}")
+        elif kind == _REDUCED and not _reduced_from(shape, full_shape[fqn]):
+            bad.append(f"{key}: checkpoint {shape}, which is not the model's "
+                       f"{full_shape[fqn]} with dimensions reduced to 1")
     if bad:
         raise CheckpointMismatchError(
             "The checkpoint's optimizer state does not fit the model:\n  "
@@ -503,15 +509,44 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer, meta: dict, path: Pa
 
 # Optimizer entry kinds in ``graphshard.pt``: laid out like the parameter (a DTensor), a plain
 # tensor (``step``), a non-tensor object. Format 1 called the first two sharded and scalar.
+# Optimizer state kinds: "dtensor", laid out like its parameter; "reduced", a DTensor whose
+# shape is its parameter's with some dimensions reduced to 1 (Adafactor's row and column
+# factors), laid out by graphshard.api.optimizer_steps.reduced_state_placements; a plain
+# "tensor"; an "object".
 _DTENSOR_KINDS, _TENSOR_KINDS = ("dtensor", "sharded"), ("tensor", "scalar")
+_REDUCED = "reduced"
+
+
+def _full_shapes(state: ShardState) -> dict[str, tuple[int, ...]]:
+    """Each parameter's global shape (TP's too), by its first name."""
+    return {e.names[0]: tuple(e.param.shape) for e in state.params}
+
+
+def _tensor_kind(value: torch.Tensor, param_shape: tuple[int, ...] | None) -> str:
+    if not isinstance(value, DTensor):
+        return "tensor"
+    if param_shape is not None and tuple(value.shape) != param_shape:
+        return _REDUCED
+    return "dtensor"
+
+
+def _reduced_from(shape: tuple[int, ...] | None, param_shape: tuple[int, ...]) -> bool:
+    return shape is not None and len(shape) == len(param_shape) and all(
+        s in (p, 1) for s, p in zip(shape, param_shape, strict=True))
 
 
 def _empty_like_saved(md, kind: str, param: torch.Tensor) -> torch.Tensor:
     """A fresh tensor to read a saved optimizer entry into: a DTensor of ``param``'s spec
-    for per-parameter state, else a plain tensor on the CPU (``step``, where optimizers keep
-    it by default; loading moves it for capturable/fused ones)."""
+    for per-parameter state (its reduced shape's placements for a "reduced" one), else a
+    plain tensor on the CPU (``step``, where optimizers keep it by default; loading moves it
+    for capturable/fused ones)."""
     if kind in _DTENSOR_KINDS:
         return torch.empty_like(param, dtype=md.properties.dtype)
+    if kind == _REDUCED:
+        size = tuple(md.size)
+        return distributed_empty(size, dtype=md.properties.dtype,
+                                 device_mesh=param.device_mesh,
+                                 placements=reduced_state_placements(param, size))
     return torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 

@@ -1,0 +1,278 @@
+"""torch's Adafactor and Rprop on sharded parameters, which DTensor alone cannot step.
+
+Most of torch's optimizers step a sharded parameter through DTensor's dispatch unchanged: their
+update is elementwise. Two are not, and fail on DTensor parameters (FSDP2's as well, torch
+2.11 to 2.14.1):
+
+- ``Adafactor`` keeps the second moment of a matrix as a row factor and a column factor, the
+  means of the squared gradient along each of its last two dimensions. A mean along the
+  sharded dimension is a sum over ranks: DTensor returns it ``Partial`` (``_NormPartial``
+  for ``torch.norm``), and the step's next op, in place (``square_()``, ``clamp_()``), has no
+  strategy for a ``Partial`` input.
+- ``Rprop`` sets the step sizes through a boolean mask (``sign[sign.gt(0)] = etaplus``, an
+  ``index_put_``), and its foreach path copies lists (``_foreach_copy_``): DTensor has no
+  strategy for either, although both are elementwise when the mask, or the source, is
+  placed like the tensor written.
+
+While such an optimizer steps parameters that :func:`graphshard.shard` made, graphshard's
+handlers in DTensor's dispatcher (the hook torch's ``loss_parallel`` uses) serve those ops:
+
+- a reduction (``sum``, ``mean``, ``linalg_vector_norm``, ``amax``, ``amin``) whose result is
+  ``Partial`` is reduced across the ranks there and then: the result is ``Replicate``, the
+  value DTensor would give when it reduced it later. That is one small all-reduce per
+  factored parameter and step, the least the algorithm needs;
+- ``index_put_`` with a boolean mask, and ``_foreach_copy_``, run on the local tensors where
+  every DTensor of a position has the same mesh, placements and shape (none ``Partial``)
+  and the value put is a 0-dim tensor: exactly DTensor's answer, had it one. So does an
+  ``index_put_`` into a replicated tensor (a 0-dim parameter, whose mask reaches the op as
+  plain integer indices), which every rank writes alike.
+
+The handlers are registered by a global optimizer step pre-hook and removed by its
+post-hook, only for the steps of :data:`OPTIMIZERS` (and their subclasses) that hold one of
+graphshard's parameters: every other op, and every other optimizer, keeps DTensor's own
+dispatch. (A step that raises skips torch's post-hooks; the next step of any optimizer
+removes the handlers it left.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import zeros as distributed_zeros
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from graphshard.api.dtensor_handlers import same_mesh, through_dtensor
+from graphshard.api.fused_optimizer_ops import holds_graphshard_shards
+
+__all__ = ["OPTIMIZERS", "reduced_state_placements", "step_reducing_optimizers"]
+
+aten = torch.ops.aten
+
+# The optimizers whose steps get the handlers below.
+OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls in (getattr(torch.optim, "Adafactor", None), torch.optim.Rprop)
+    if cls is not None)
+
+# Reductions whose Partial result is reduced at once.
+_REDUCTIONS = tuple(
+    op for op in (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+                  aten.linalg_vector_norm.default, aten.amax.default, aten.amin.default))
+_ELEMENTWISE = (aten.index_put_.default, aten._foreach_copy_.default)
+# Element-wise updates in place, which DTensor refuses where the tensor updated is sharded on
+# a dimension shorter than its mesh (a rank holds no row) and another operand is replicated.
+_IN_PLACE = tuple(
+    op for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
+                  aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
+                  aten.addcdiv_.default, aten.copy_.default))
+_REFUSED_IN_PLACE = "in-place operations that require placement changes are not supported"
+# Their list forms, which DTensor refuses as a whole for one such position (the op each
+# position then takes on its own).
+_FOREACH_IN_PLACE = {
+    getattr(getattr(aten, name), overload): single
+    for name, overload, single in (
+        ("_foreach_add_", "List", aten.add_.Tensor), ("_foreach_sub_", "List", aten.sub_.Tensor),
+        ("_foreach_mul_", "List", aten.mul_.Tensor), ("_foreach_div_", "List", aten.div_.Tensor),
+        ("_foreach_lerp_", "List", aten.lerp_.Tensor),
+        ("_foreach_lerp_", "Scalar", aten.lerp_.Scalar),
+        ("_foreach_lerp_", "ScalarList", aten.lerp_.Scalar))
+    if hasattr(getattr(aten, name, None), overload)}
+
+_lock = threading.Lock()
+_hooks: list[Any] = []
+_added: dict[Any, Any] = {}  # the handlers this module put into DTensor's table, by op
+
+
+def step_reducing_optimizers() -> None:
+    """From now on, steps of :data:`OPTIMIZERS` over graphshard's parameters run with the
+    handlers of this module (module docstring). Idempotent."""
+    with _lock:
+        if not _hooks:
+            _hooks.extend((register_optimizer_step_pre_hook(_before_step),
+                           register_optimizer_step_post_hook(_after_step)))
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _remove_handlers()  # what a step that raised left
+    if (not isinstance(optimizer, OPTIMIZERS) or torch.compiler.is_compiling()
+            or not holds_graphshard_shards(
+                p for group in optimizer.param_groups for p in group["params"])):
+        return
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in _REDUCTIONS:
+        if op not in table:
+            table[op] = _added[op] = _reduced_at_once
+    for op in _ELEMENTWISE:
+        if op not in table:
+            table[op] = _added[op] = _local_or_default
+    for op in _IN_PLACE:
+        if op not in table:
+            table[op] = _added[op] = _in_place_on_shards
+    for op in _FOREACH_IN_PLACE:
+        if op not in table:
+            table[op] = _added[op] = _foreach_on_shards
+    if aten.new_zeros.default not in table:
+        table[aten.new_zeros.default] = _added[aten.new_zeros.default] = _state_placed_like
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _remove_handlers()
+
+
+def _remove_handlers() -> None:
+    if not _added:
+        return
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _added.items():
+        if table.get(op) is handler:
+            del table[op]
+    _added.clear()
+
+
+def _reduced_at_once(op: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor's result of the reduction ``op``, with its ``Partial`` placements reduced
+    across their ranks now (``Replicate``)."""
+    out = through_dtensor(op, args, kwargs)
+    if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+        out = out.redistribute(out.device_mesh, [
+            Replicate() if p.is_partial() else p for p in out.placements])
+    return out
+
+
+def _local_or_default(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op`` on the local tensors when that is DTensor's answer (module docstring), else
+    DTensor's own dispatch."""
+    local = _localized(op, args, kwargs)
+    if local is None:
+        return through_dtensor(op, args, kwargs)
+    local_args, local_kwargs = local
+    op(*local_args, **local_kwargs)
+    # index_put_ returns the tensor it updated; _foreach_copy_ returns nothing
+    return args[0] if op is aten.index_put_.default else None
+
+
+def _localized(op: Any, args: tuple, kwargs: dict) -> tuple[list, dict] | None:
+    if op is aten.index_put_.default:
+        target, indices, value, *rest = args
+        if not isinstance(target, DTensor) or not _scalar(value):
+            return None
+        value = value._local_tensor if isinstance(value, DTensor) else value
+        if len(indices) == 1 and isinstance(indices[0], DTensor) and \
+                indices[0].dtype == torch.bool and _placed_alike(target, indices[0]):
+            return [target._local_tensor, [indices[0]._local_tensor], value, *rest], kwargs
+        if all(p.is_replicate() for p in target.placements) and all(
+                not isinstance(i, DTensor) or all(p.is_replicate() for p in i.placements)
+                for i in indices if i is not None):
+            # every rank holds the whole tensor and the same indices (a 0-dim mask becomes
+            # plain integer indices on the way here): each writes the same entries
+            return [target._local_tensor, [i._local_tensor if isinstance(i, DTensor) else i
+                                           for i in indices], value, *rest], kwargs
+        return None
+    targets, sources = args[0], args[1]
+    if len(targets) != len(sources) or not all(
+            isinstance(t, DTensor) and _placed_alike(t, s)
+            for t, s in zip(targets, sources, strict=True)):
+        return None
+    return [[t._local_tensor for t in targets], [s._local_tensor for s in sources],
+            *args[2:]], kwargs
+
+
+def _placed_alike(target: DTensor, other: Any) -> bool:
+    """``other`` is a DTensor split across the ranks exactly as ``target`` (none Partial)."""
+    if not isinstance(other, DTensor):
+        return False
+    a, b = target._spec, other._spec
+    return (a.placements == b.placements and a.shape == b.shape
+            and same_mesh(a.mesh, b.mesh) and not any(p.is_partial() for p in a.placements))
+
+
+def _scalar(value: Any) -> bool:
+    """A value every position gets alike: a 0-dim plain tensor, or a replicated 0-dim
+    DTensor."""
+    if isinstance(value, DTensor):
+        return value.dim() == 0 and all(p.is_replicate() for p in value.placements)
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _in_place_on_shards(op: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor's dispatch of the in-place ``op``; where DTensor refuses it (module docstring),
+    each rank updates its shard with the matching slices of the replicated operands."""
+    try:
+        return through_dtensor(op, args, kwargs)
+    except RuntimeError as e:
+        if _REFUSED_IN_PLACE not in str(e):
+            raise
+        target = args[0]
+        local_args = [_slice_for(target, arg) for arg in args[1:]]
+        local_kwargs = {key: _slice_for(target, arg) for key, arg in kwargs.items()}
+        if any(arg is None for arg in (*local_args, *local_kwargs.values())) or any(
+                p.is_partial() for p in target.placements):
+            raise
+    op(target._local_tensor, *local_args, **local_kwargs)
+    return target
+
+
+def _slice_for(target: DTensor, arg: Any) -> Any:
+    """``arg``'s part that broadcasts against this rank's shard of ``target``: its own local
+    tensor if placed alike, a replicated one's slice along ``target``'s sharded dimensions
+    (itself where it broadcasts there); None where neither holds."""
+    if not isinstance(arg, DTensor):
+        return arg
+    if _placed_alike(target, arg):
+        return arg._local_tensor
+    if not same_mesh(target._spec.mesh, arg._spec.mesh) or not all(
+            p.is_replicate() for p in arg.placements):
+        return None
+    offset = target.dim() - arg.dim()
+    placements = []
+    for p in target.placements:
+        dim = p.dim - offset if p.is_shard() else -1
+        if dim >= 0 and arg.size(dim) == target.size(p.dim) and arg.size(dim) > 1:
+            placements.append(Shard(dim))
+        else:
+            placements.append(Replicate())  # broadcast along the sharded dimension
+    return arg.redistribute(arg.device_mesh, placements).to_local()
+
+
+def _state_placed_like(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``grad.new_zeros(size)``, Adafactor's factored state: sharded where ``size`` keeps the
+    gradient's sharded dimension (the row factor), replicated where it reduces it to 1 (the
+    column factor). DTensor's own answer replicates both: every rank would then compute the
+    whole update from the whole gradient, gathered."""
+    source, size = args[0], list(args[1])
+    if len(args) > 2 or len(size) != source.dim() or any(
+            p.is_partial() for p in source.placements):
+        return through_dtensor(op, args, kwargs)
+    dtype = kwargs.get("dtype") or source.dtype
+    return distributed_zeros(size, dtype=dtype, device_mesh=source.device_mesh,
+                             placements=reduced_state_placements(source, size))
+
+
+def reduced_state_placements(param: DTensor, size: Sequence[int]) -> list[Placement]:
+    """Where a state of ``param`` (or of its gradient) with some dimensions reduced to 1,
+    ``size``, lives: sharded as ``param`` along each sharded dimension it keeps (of more
+    than one entry), replicated along the others. Also how a checkpoint's such state is read
+    back (:mod:`graphshard.state.checkpoint`), on whatever mesh ``param`` has then."""
+    return [Shard(p.dim) if p.is_shard() and size[p.dim] == param.size(p.dim) > 1
+            else Replicate() for p in param.placements]
+
+
+def _foreach_on_shards(op: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor's dispatch of the in-place list ``op``; where DTensor refuses it, one
+    position at a time through :func:`_in_place_on_shards`."""
+    try:
+        return through_dtensor(op, args, kwargs)
+    except RuntimeError as e:
+        if _REFUSED_IN_PLACE not in str(e):
+            raise
+    single = _FOREACH_IN_PLACE[op]
+    for i, target in enumerate(args[0]):
+        position = [arg[i] if isinstance(arg, (list, tuple)) else arg for arg in args[1:]]
+        _in_place_on_shards(single, (target, *position), kwargs)
+    return None
