@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 import graphshard
 from graphshard.api import optimizer_steps
@@ -46,6 +47,19 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int
     return losses
 
 
+def _even_step_collectives(foreach: bool) -> dict[str, int]:
+    """The collectives of one Adafactor step (torch's ``CommDebugMode``) on a layer whose
+    rows split evenly over 3 ranks (rows fewer than the ranks, or uneven ones, gather a
+    row factor, or such a layer's whole few rows, where DTensor cannot keep them sharded)."""
+    torch.manual_seed(0)
+    layer = graphshard.shard(nn.Linear(12, 9))
+    opt = _adafactor(layer, foreach)
+    layer(torch.randn(4, 12)).sum().backward()
+    with CommDebugMode() as comms:
+        opt.step()
+    return {str(op): count for op, count in comms.get_comm_counts().items()}
+
+
 def _state_layout(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """Per parameter: its local rows and placements, and each state tensor's."""
     out = {}
@@ -65,7 +79,7 @@ def adafactor_job(rank: int, world_size: int, save_dir: str, foreach: bool) -> d
     model = graphshard.shard(build())
     opt = _adafactor(model, foreach)
     out = {"first": _train(model, opt, range(SAVE_AT), rank),
-           "layout": _state_layout(model, opt)}
+           "layout": _state_layout(model, opt), "sent": _even_step_collectives(foreach)}
     checkpoint = f"{save_dir}/foreach{int(foreach)}"
     dcp.save({"model": get_model_state_dict(model),
               "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=checkpoint)
@@ -147,6 +161,16 @@ def test_adafactor_row_factor_is_sharded_like_the_gradient_and_column_factor_rep
                 assert entry["col_var"][2] == (*shape[:-2], 1, shape[-1]), name
             elif len(shape) == 1:
                 assert entry["variance"][:2] == (local, placements), name
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_an_adafactor_step_sends_only_the_factors_reductions(world3, foreach):
+    """Nothing is gathered (DTensor's own placement of the factors gathers the row factor
+    and the whole gradient): the step's collectives are all-reduces, of the column means,
+    the row factor's mean and the norms."""
+    for res in world3:
+        sent = res[foreach]["sent"]
+        assert set(sent) == {"c10d_functional.all_reduce"}, sent
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])

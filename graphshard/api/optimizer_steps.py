@@ -20,12 +20,23 @@ handlers in DTensor's dispatcher (the hook torch's ``loss_parallel`` uses) serve
 - a reduction (``sum``, ``mean``, ``linalg_vector_norm``, ``amax``, ``amin``) whose result is
   ``Partial`` is reduced across the ranks there and then: the result is ``Replicate``, the
   value DTensor would give when it reduced it later. That is one small all-reduce per
-  factored parameter and step, the least the algorithm needs;
+  factored parameter and step (two with ``clamp``'s row mean), the least the algorithm
+  needs;
+- ``grad.new_zeros(size)``, where Adafactor makes its factors, is placed like the gradient
+  along each sharded dimension ``size`` keeps and replicated along one it reduces
+  (:func:`reduced_state_placements`): the row factor holds this rank's rows, the column
+  factor (one row) is whole on every rank. DTensor replicates both, so every rank would
+  compute the whole update from the whole gradient, all-gathered;
 - ``index_put_`` with a boolean mask, and ``_foreach_copy_``, run on the local tensors where
   every DTensor of a position has the same mesh, placements and shape (none ``Partial``)
   and the value put is a 0-dim tensor: exactly DTensor's answer, had it one. So does an
   ``index_put_`` into a replicated tensor (a 0-dim parameter, whose mask reaches the op as
-  plain integer indices), which every rank writes alike.
+  plain integer indices), which every rank writes alike;
+- an element-wise update in place (``add_``, ``mul_``, ``lerp_``, ..., and their list forms)
+  that DTensor refuses goes on each rank's shard, with the matching slice of a replicated
+  operand. DTensor refuses it where the tensor updated is sharded on a dimension shorter
+  than the mesh (a rank holds no row) and the operand is replicated; it serves every other
+  call as before.
 
 The handlers are registered by a global optimizer step pre-hook and removed by its
 post-hook, only for the steps of :data:`OPTIMIZERS` (and their subclasses) that hold one of
@@ -61,9 +72,8 @@ OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     if cls is not None)
 
 # Reductions whose Partial result is reduced at once.
-_REDUCTIONS = tuple(
-    op for op in (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
-                  aten.linalg_vector_norm.default, aten.amax.default, aten.amin.default))
+_REDUCTIONS = (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+               aten.linalg_vector_norm.default, aten.amax.default, aten.amin.default)
 _ELEMENTWISE = (aten.index_put_.default, aten._foreach_copy_.default)
 # Element-wise updates in place, which DTensor refuses where the tensor updated is sharded on
 # a dimension shorter than its mesh (a rank holds no row) and another operand is replicated.
