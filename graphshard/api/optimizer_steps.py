@@ -82,17 +82,29 @@ _IN_PLACE = tuple(
                   aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
                   aten.addcdiv_.default, aten.copy_.default))
 _REFUSED_IN_PLACE = "in-place operations that require placement changes are not supported"
-# Their list forms, which DTensor refuses as a whole for one such position (the op each
-# position then takes on its own).
-_FOREACH_IN_PLACE = {
-    getattr(getattr(aten, name), overload): single
-    for name, overload, single in (
-        ("_foreach_add_", "List", aten.add_.Tensor), ("_foreach_sub_", "List", aten.sub_.Tensor),
-        ("_foreach_mul_", "List", aten.mul_.Tensor), ("_foreach_div_", "List", aten.div_.Tensor),
-        ("_foreach_lerp_", "List", aten.lerp_.Tensor),
-        ("_foreach_lerp_", "Scalar", aten.lerp_.Scalar),
-        ("_foreach_lerp_", "ScalarList", aten.lerp_.Scalar))
-    if hasattr(getattr(aten, name, None), overload)}
+_NO_RULE = "does not have a sharding strategy registered"
+# The list ops the two optimizers call. DTensor refuses one as a whole for a single position
+# it refuses (above), and has no rule for some on torch 2.11 (``_foreach_rsqrt_``,
+# ``_foreach_lerp_.ScalarList``): each position then takes the op's single-tensor form.
+_FOREACH_NAMES = ("add", "sub", "mul", "div", "lerp", "neg", "sign", "rsqrt", "clamp_min",
+                  "addcmul", "addcdiv")
+_SINGLE_OVERLOAD = {"List": "Tensor", "ScalarList": "Scalar"}
+
+
+def _single_form(op: Any) -> Any:
+    """``aten._foreach_add_.List`` -> ``aten.add_.Tensor``; None where there is none."""
+    packet = getattr(aten, op._schema.name.split("::")[1][len("_foreach_"):], None)
+    overload = _SINGLE_OVERLOAD.get(op._overloadname, op._overloadname)
+    return getattr(packet, overload, None) or getattr(packet, "default", None)
+
+
+_FOREACH = {
+    op: single
+    for name in _FOREACH_NAMES for suffix in ("", "_")
+    if (packet := getattr(aten, f"_foreach_{name}{suffix}", None)) is not None
+    for op in (getattr(packet, overload) for overload in packet.overloads())
+    if op._overloadname != "Tensor" and not op._overloadname.endswith("out")
+    and (single := _single_form(op)) is not None}
 
 _lock = threading.Lock()
 _hooks: list[Any] = []
@@ -124,7 +136,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     for op in _IN_PLACE:
         if op not in table:
             table[op] = _added[op] = _in_place_on_shards
-    for op in _FOREACH_IN_PLACE:
+    for op in _FOREACH:
         if op not in table:
             table[op] = _added[op] = _foreach_on_shards
     if aten.new_zeros.default not in table:
@@ -214,7 +226,9 @@ def _in_place_on_shards(op: Any, args: tuple, kwargs: dict) -> Any:
     """DTensor's dispatch of the in-place ``op``; where DTensor refuses it (module docstring),
     each rank updates its shard with the matching slices of the replicated operands."""
     try:
-        return through_dtensor(op, args, kwargs)
+        if op in DTensor._op_dispatcher._custom_op_handlers:
+            return through_dtensor(op, args, kwargs)
+        return op(*args, **kwargs)  # a list op's single form, which has no handler here
     except RuntimeError as e:
         if _REFUSED_IN_PLACE not in str(e):
             raise
@@ -274,15 +288,23 @@ def reduced_state_placements(param: DTensor, size: Sequence[int]) -> list[Placem
 
 
 def _foreach_on_shards(op: Any, args: tuple, kwargs: dict) -> Any:
-    """DTensor's dispatch of the in-place list ``op``; where DTensor refuses it, one
-    position at a time through :func:`_in_place_on_shards`."""
+    """DTensor's dispatch of the list ``op``; where DTensor refuses it, or has no rule for
+    it, its single-tensor form at each position (in place through
+    :func:`_in_place_on_shards` where DTensor refuses that too)."""
     try:
         return through_dtensor(op, args, kwargs)
-    except RuntimeError as e:
-        if _REFUSED_IN_PLACE not in str(e):
+    except (RuntimeError, NotImplementedError) as e:
+        if _REFUSED_IN_PLACE not in str(e) and _NO_RULE not in str(e):
             raise
-    single = _FOREACH_IN_PLACE[op]
+    single, in_place = _FOREACH[op], op._schema.name.endswith("_")
+    results = []
     for i, target in enumerate(args[0]):
         position = [arg[i] if isinstance(arg, (list, tuple)) else arg for arg in args[1:]]
-        _in_place_on_shards(single, (target, *position), kwargs)
-    return None
+        position_kwargs = dict(kwargs)
+        if op._overloadname == "ScalarList" and single.__name__.startswith("addc"):
+            position_kwargs["value"] = position.pop()  # addcmul's scalars: its value=
+        if in_place:
+            _in_place_on_shards(single, (target, *position), position_kwargs)
+        else:
+            results.append(single(target, *position, **position_kwargs))
+    return None if in_place else results
