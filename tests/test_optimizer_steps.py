@@ -219,9 +219,7 @@ class _Recording(torch.optim.Adafactor):
         return super().step(closure)
 
 
-_OURS = {optimizer_steps._reduced_at_once, optimizer_steps._local_or_default,
-         optimizer_steps._in_place_on_shards, optimizer_steps._foreach_on_shards,
-         optimizer_steps._state_placed_like}
+_OURS = set(optimizer_steps._handlers().values())
 
 
 def _ours_on() -> set:

@@ -47,6 +47,7 @@ removes the handlers it left.)
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -127,20 +128,20 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
                 p for group in optimizer.param_groups for p in group["params"])):
         return
     table = DTensor._op_dispatcher._custom_op_handlers
-    for op in _REDUCTIONS:
-        if op not in table:
-            table[op] = _added[op] = _reduced_at_once
-    for op in _ELEMENTWISE:
-        if op not in table:
-            table[op] = _added[op] = _local_or_default
-    for op in _IN_PLACE:
-        if op not in table:
-            table[op] = _added[op] = _in_place_on_shards
-    for op in _FOREACH:
-        if op not in table:
-            table[op] = _added[op] = _foreach_on_shards
-    if aten.new_zeros.default not in table:
-        table[aten.new_zeros.default] = _added[aten.new_zeros.default] = _state_placed_like
+    for op, handler in _handlers().items():
+        if op not in table:  # an op that has a handler already keeps it
+            table[op] = _added[op] = handler
+
+
+@functools.cache
+def _handlers() -> dict[Any, Any]:
+    """Every op this module serves, with its handler."""
+    by_op: dict[Any, Any] = {}
+    for ops, handler in ((_REDUCTIONS, _reduced_at_once), (_ELEMENTWISE, _local_or_default),
+                         (_IN_PLACE, _in_place_on_shards), (_FOREACH, _foreach_on_shards),
+                         ((aten.new_zeros.default,), _state_placed_like)):
+        by_op.update(dict.fromkeys(ops, handler))
+    return by_op
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
