@@ -78,10 +78,9 @@ _REDUCTIONS = (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.m
 _ELEMENTWISE = (aten.index_put_.default, aten._foreach_copy_.default)
 # Element-wise updates in place, which DTensor refuses where the tensor updated is sharded on
 # a dimension shorter than its mesh (a rank holds no row) and another operand is replicated.
-_IN_PLACE = tuple(
-    op for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
-                  aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
-                  aten.addcdiv_.default, aten.copy_.default))
+_IN_PLACE = (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
+             aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
+             aten.addcdiv_.default, aten.copy_.default)
 _REFUSED_IN_PLACE = "in-place operations that require placement changes are not supported"
 _NO_RULE = "does not have a sharding strategy registered"
 # The list ops the two optimizers call. DTensor refuses one as a whole for a single position
