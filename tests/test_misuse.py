@@ -102,23 +102,24 @@ def test_a_forward_that_slices_its_layer_list_counts_no_new_layer():
 
 def test_importing_graphshard_installs_no_registration_hook_until_a_model_is_sharded():
     """The new-layer check's hooks on torch's module and parameter registration, and the
-    optimizer step pre-hook, are installed by the first ``shard()``, not by ``import
-    graphshard``."""
+    optimizer step hooks (the guard's pre-hook; ``optimizer_steps``' pre- and post-hook),
+    are installed once, by the first ``shard()``, not by ``import graphshard``."""
     import subprocess
     import sys
 
     code = ("import graphshard, torch.nn.modules.module as m\n"
             "from torch.optim.optimizer import _global_optimizer_pre_hooks as pre\n"
+            "from torch.optim.optimizer import _global_optimizer_post_hooks as post\n"
             "assert not m._global_module_registration_hooks\n"
             "assert not m._global_parameter_registration_hooks\n"
-            "assert not pre, pre\n"
+            "assert not pre and not post, (pre, post)\n"
             "from graph_utils import TwoBlock, fake_process_group\n"
             "with fake_process_group(2):\n"
             "    graphshard.shard(TwoBlock())\n"
             "    graphshard.shard(TwoBlock())\n"
             "assert len(m._global_module_registration_hooks) == 1\n"
             "assert len(m._global_parameter_registration_hooks) == 1\n"
-            "assert len(pre) == 1, pre\n")
+            "assert len(pre) == 2 and len(post) == 1, (pre, post)\n")
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tests_dir)
 
