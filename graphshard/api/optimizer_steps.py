@@ -68,9 +68,8 @@ __all__ = ["OPTIMIZERS", "reduced_state_placements", "step_reducing_optimizers"]
 aten = torch.ops.aten
 
 # The optimizers whose steps get the handlers below.
-OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
-    cls for cls in (getattr(torch.optim, "Adafactor", None), torch.optim.Rprop)
-    if cls is not None)
+OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adafactor,
+                                                         torch.optim.Rprop)
 
 # Reductions whose Partial result is reduced at once.
 _REDUCTIONS = (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
@@ -226,9 +225,10 @@ def _in_place_on_shards(op: Any, args: tuple, kwargs: dict) -> Any:
     """DTensor's dispatch of the in-place ``op``; where DTensor refuses it (module docstring),
     each rank updates its shard with the matching slices of the replicated operands."""
     try:
-        if op in DTensor._op_dispatcher._custom_op_handlers:
-            return through_dtensor(op, args, kwargs)
-        return op(*args, **kwargs)  # a list op's single form, which has no handler here
+        # through DTensor: past this handler, or straight for a list op's single form
+        # that has none (rsqrt_, sign_, ...)
+        handled = op in DTensor._op_dispatcher._custom_op_handlers
+        return through_dtensor(op, args, kwargs) if handled else op(*args, **kwargs)
     except RuntimeError as e:
         if _REFUSED_IN_PLACE not in str(e):
             raise
@@ -270,8 +270,7 @@ def _state_placed_like(op: Any, args: tuple, kwargs: dict) -> Any:
     column factor). DTensor's own answer replicates both: every rank would then compute the
     whole update from the whole gradient, gathered."""
     source, size = args[0], list(args[1])
-    if len(args) > 2 or len(size) != source.dim() or any(
-            p.is_partial() for p in source.placements):
+    if len(size) != source.dim() or any(p.is_partial() for p in source.placements):
         return through_dtensor(op, args, kwargs)
     dtype = kwargs.get("dtype") or source.dtype
     return distributed_zeros(size, dtype=dtype, device_mesh=source.device_mesh,
