@@ -102,8 +102,9 @@ def test_a_forward_that_slices_its_layer_list_counts_no_new_layer():
 
 def test_importing_graphshard_installs_no_registration_hook_until_a_model_is_sharded():
     """The new-layer check's hooks on torch's module and parameter registration, and the
-    optimizer step hooks (the guard's pre-hook; ``optimizer_steps``' pre- and post-hook),
-    are installed once, by the first ``shard()``, not by ``import graphshard``."""
+    optimizer step hooks (the guard's pre-hook; ``optimizer_steps``' pre- and post-hook;
+    ``optimizer_state``'s pre-hook), are installed once, by the first ``shard()``, not by
+    ``import graphshard``."""
     import subprocess
     import sys
 
@@ -119,7 +120,7 @@ def test_importing_graphshard_installs_no_registration_hook_until_a_model_is_sha
             "    graphshard.shard(TwoBlock())\n"
             "assert len(m._global_module_registration_hooks) == 1\n"
             "assert len(m._global_parameter_registration_hooks) == 1\n"
-            "assert len(pre) == 2 and len(post) == 1, (pre, post)\n")
+            "assert len(pre) == 3 and len(post) == 1, (pre, post)\n")
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tests_dir)
 

@@ -48,6 +48,7 @@ from graphshard.api.offload import (
     keep_buffers_on_device,
     resolve_offload,
 )
+from graphshard.api.optimizer_state import keep_scalar_states_replicated
 from graphshard.api.optimizer_steps import step_reducing_optimizers
 from graphshard.api.param_reads import install_reads, register_state
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
@@ -595,6 +596,7 @@ def shard(
     # a fused optimizer's step on these shards runs on their local tensors, without dispatch
     run_fused_optimizers_locally(module, (entry.param for entry in state.params))
     step_reducing_optimizers()  # and Adafactor's and Rprop's (api.optimizer_steps)
+    keep_scalar_states_replicated()  # a 0-D parameter's loaded state (api.optimizer_state)
     # and clip_grad_norm_'s list ops on their gradients (api.grad_norm_ops)
     run_grad_norm_ops_locally(module, {id(e.param.device_mesh): e.param.device_mesh
                                        for e in state.params
