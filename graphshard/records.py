@@ -71,7 +71,7 @@ class ShardState:
     group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
     world_size: int  # ranks in the shard group
     rank: int  # this rank's index in the shard group
-    reshard_after_forward: bool | str  # True, False or "auto"
+    reshard_after_forward: bool | int | str  # True, False, "auto" or k (groups of k ranks)
     mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
     sync: int  # where this micro-batch's gradients go (a GradSync value)
     params: list[ShardedParam] = field(default_factory=list)

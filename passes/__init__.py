@@ -9,6 +9,7 @@ from graphshard.passes.dedupe import dedupe_unshard
 from graphshard.passes.fold_views import fold_views
 from graphshard.passes.gloo_gathers import gloo_gathers
 from graphshard.passes.grad_copy_stream import grad_copy_stream
+from graphshard.passes.group_reshard import keep_group_pieces, read_forward_gathers
 from graphshard.passes.inline_regions import inline_unsupported_regions
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.lower_reduce_grad import lower_reduce_grad
@@ -44,6 +45,7 @@ __all__ = [
     "grad_copy_stream",
     "inline_unsupported_regions",
     "is_reduce_grad",
+    "keep_group_pieces",
     "is_unshard",
     "lower_reduce_grad",
     "lower_unshard",
@@ -51,6 +53,7 @@ __all__ = [
     "overlap_reduce",
     "parameters_first_in_regions",
     "prefetch",
+    "read_forward_gathers",
     "read_shared_region_outputs_once",
     "reshard",
     "resolve_region_operand_views",

@@ -79,6 +79,14 @@ def _lower_bucket(graph: fx.Graph, make: NodeMaker, bucket: Bucket, coalesced: b
     for node in bucket.nodes:
         slots.setdefault(marker_args(node).shard, []).append(node)
     first = marker_args(bucket.nodes[0])
+    for node in bucket.nodes:  # one collective: every marker over the same group
+        args = marker_args(node)
+        if (args.world_size, args.group_name) != (first.world_size, first.group_name):
+            raise GraphLoweringError(
+                f"bucket {bucket.index} gathers {first.name!r} over group "
+                f"{first.group_name!r} of {first.world_size} and {args.name!r} over "
+                f"{args.group_name!r} of {args.world_size}: a bucket is one collective. "
+                "This is a bug in graphshard; please report it with the graph dump.")
     if first.world_size == 1:
         _lower_local(graph, make, bucket, slots)
         return

@@ -23,6 +23,7 @@ __all__ = [
     "REDUCE_GRAD",
     "TAKE_PREFETCHED",
     "ALL_GATHER_SINGLE",
+    "TAKE_GROUP_PIECE",
     "is_unshard",
     "is_reduce_grad",
     "is_collective_start",
@@ -53,12 +54,17 @@ _lib = torch.library.Library("graphshard", "DEF")
 # per-parameter fields ``shard()`` fixes, so the per-read ones (``sync`` ...) follow it.
 # ``storage`` / ``storage_index``: the flat, padded buffer the bucket's shards live in and
 # this shard's place there, where ``graphshard.api.bucket_storage`` laid the bucket out (the
-# gather may read it as it is).
+# gather may read it as it is). ``reshard_group`` / ``reshard_size`` (``shard(reshard_after_
+# forward=k)`` with 1 < k < world_size): what the forward keeps for the backward is this
+# rank's piece of the gathered parameter split over its group of ``k`` ranks, gathered again
+# over that group alone ('' / 1: the shard, gathered again over ``group_name``; see
+# ``graphshard.passes.group_reshard``). Fixed by ``shard()`` too, so they precede ``sync``.
 _lib.define(
     "unshard(Tensor shard, SymInt[] full_shape, int bucket, bool pinned, int reshard, "
     "str name, int world_size, str group_name, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str replica_group='', int replica_size=1, "
-    "str compute_device='', float? divide_factor=None, int sync=0, Tensor? accum=None, "
+    "str compute_device='', float? divide_factor=None, str reshard_group='', "
+    "int reshard_size=1, int sync=0, Tensor? accum=None, "
     "Tensor? pending_full=None, Tensor? pending_partial=None, Tensor? storage=None, "
     "int storage_index=-1) -> Tensor"
 )
@@ -89,6 +95,11 @@ _lib.define(
 # collective in flight (its kernel: ``graphshard.safety.gloo_gather``). ``copy_input``: the
 # kernel sends a copy of ``input``, which the collective then owns, for an input the compiled
 # graph may overwrite before the wait (any intermediate buffer; not a graph input).
+# ``shard(reshard_after_forward=k)``: this rank's padded piece of ``full`` split on dim 0
+# over ``group_size`` ranks (its ``Dim0Layout`` piece), a new tensor. The rank's place is
+# read from the group when it runs, so the graph is the same on every rank
+# (``graphshard.passes.group_reshard``; its kernel: ``graphshard.api.eager_kernels``).
+_lib.define("take_group_piece(Tensor full, int group_size, str group_name) -> Tensor")
 _lib.define(
     "all_gather_single(Tensor input, int group_size, str group_name, *, "
     "bool copy_input=True) -> Tensor"
@@ -117,8 +128,9 @@ RESHARD_FREE = 1  # reshard_after_forward=True: freed, gathered again in backwar
 RESHARD_AUTO = 2  # reshard_after_forward="auto": chosen per bucket (graphshard.passes.reshard)
 
 
-def reshard_code(reshard_after_forward: bool | str) -> int:
-    """The ``reshard`` argument of ``unshard`` for a ``shard(reshard_after_forward=...)``."""
+def reshard_code(reshard_after_forward: bool | int | str) -> int:
+    """The ``reshard`` argument of ``unshard`` for a ``shard(reshard_after_forward=...)``
+    (an int ``k`` frees too: what is kept is named by ``reshard_group``)."""
     if reshard_after_forward == "auto":
         return RESHARD_AUTO
     return RESHARD_FREE if reshard_after_forward else RESHARD_KEEP
@@ -128,6 +140,7 @@ UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
 TAKE_PREFETCHED = torch.ops.graphshard.take_prefetched.default
 ALL_GATHER_SINGLE = torch.ops.graphshard.all_gather_single.default
+TAKE_GROUP_PIECE = torch.ops.graphshard.take_group_piece.default
 
 
 def reduce_op(dtype: torch.dtype, group_size: int,
@@ -172,6 +185,11 @@ def _reduce_grad_fake(grad, bucket, name, world_size, *args, **kwargs):
 @torch.library.register_fake("graphshard::take_prefetched")
 def _take_prefetched_fake(flat, group_size, group_name, **kwargs):
     return flat.new_empty([flat.shape[0] * group_size, *flat.shape[1:]])
+
+
+@torch.library.register_fake("graphshard::take_group_piece")
+def _take_group_piece_fake(full, group_size, group_name):
+    return full.new_empty(Dim0Layout(full.shape, group_size).piece_shape)
 
 
 @torch.library.register_fake("graphshard::all_gather_single")
@@ -226,6 +244,8 @@ class UnshardSpec(NamedTuple):
     replica_size: int
     compute_device: str
     divide_factor: float | None = None  # None: gradients averaged over the ranks
+    reshard_group: str = ""  # shard(reshard_after_forward=k): the group of k ranks
+    reshard_size: int = 1
 
 
 class UnshardArgs(NamedTuple):
@@ -245,6 +265,8 @@ class UnshardArgs(NamedTuple):
     replica_size: int = 1
     compute_device: str = ""  # CPU offload: copy the shard to this device type, then gather
     divide_factor: float | None = None  # the summed gradient's divisor (None: the average)
+    reshard_group: str = ""  # kept for the backward: this rank's piece over this group
+    reshard_size: int = 1  # ... of this many ranks (1: the shard itself)
     sync: int = GradSync.FULL
     accum: fx.Node | None = None
     pending_full: fx.Node | None = None

@@ -39,7 +39,7 @@ def test_dump_traces_offline_and_writes_everything(tmp_path, monkeypatch, capsys
     assert table.count("all_gather") == 3
     assert f"{(64 * 64 + 64) * 4:,}" in table
     assert "all_gather_into_tensor_coalesced" not in \
-        (graph_dir / "fw_01_lower_unshard.txt").read_text()
+        (graph_dir / "fw_02_lower_unshard.txt").read_text()
     # the same through coalesced collectives: the same buckets and bytes, no flat buffer
     coalesced = tmp_path / "coalesced"
     assert main(["dump", "my_models:build", "--world-size", "8", "--out", str(coalesced),
@@ -47,7 +47,7 @@ def test_dump_traces_offline_and_writes_everything(tmp_path, monkeypatch, capsys
     (graph_dir,) = (coalesced / "rank0").iterdir()
     table = (graph_dir / "fw_schedule.txt").read_text()
     assert table.count("all_gather") == 3 and f"{(64 * 64 + 64) * 4:,}" in table
-    assert (graph_dir / "fw_01_lower_unshard.txt").read_text().count(
+    assert (graph_dir / "fw_02_lower_unshard.txt").read_text().count(
         "ops._c10d_functional.all_gather_into_tensor_coalesced") == 3
     assert "ops._c10d_functional.reduce_scatter_tensor_coalesced" in \
         (graph_dir / "bw_03_lower_reduce_grad.txt").read_text()

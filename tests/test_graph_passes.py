@@ -168,13 +168,14 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "dynamo_03_parameters_first_in_regions.txt",
         "dynamo_04_resolve_region_operand_views.txt",
         "fw_00_input.txt",
-        "fw_01_lower_unshard.txt",
-        "fw_02_prefetch.txt",
-        "fw_03_step_prefetch.txt",
-        "fw_04_shard_copy_stream.txt",
-        "fw_05_sizes_outside_regions.txt",
-        "fw_06_resolve_region_operand_views.txt",
-        "fw_07_gloo_gathers.txt",
+        "fw_01_read_forward_gathers.txt",
+        "fw_02_lower_unshard.txt",
+        "fw_03_prefetch.txt",
+        "fw_04_step_prefetch.txt",
+        "fw_05_shard_copy_stream.txt",
+        "fw_06_sizes_outside_regions.txt",
+        "fw_07_resolve_region_operand_views.txt",
+        "fw_08_gloo_gathers.txt",
         "joint_00_input.txt",
         "joint_01_rewire_region_passthrough.txt",
         "joint_02_read_shared_region_outputs_once.txt",
@@ -182,9 +183,10 @@ def test_dump_files_name_graph_stage_and_pass(world2, tmp_path):
         "joint_04_merge_reduce_grad.txt",
         "joint_05_assign_buckets.txt",
         "joint_06_reshard.txt",
+        "joint_07_keep_group_pieces.txt",
     ]
     assert "graphshard.unshard" in (graph_dir / "fw_00_input.txt").read_text()
-    assert "all_gather_into_tensor" in (graph_dir / "fw_01_lower_unshard.txt").read_text()
+    assert "all_gather_into_tensor" in (graph_dir / "fw_02_lower_unshard.txt").read_text()
 
 
 def test_dump_dir_from_environment(world2, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from graphshard.api import copy_streams  # noqa: F401  (the copies' kernels)
 from graphshard.api.reduce_scatter import issue_reduce_scatter
@@ -113,8 +114,25 @@ def _reduce_grad_eager(grad, *args, **kwargs):
     return local_from_reduced(eager, out, layout, m.local_rows)
 
 
+def _take_group_piece_eager(full: torch.Tensor, group_size: int, group_name: str
+                            ) -> torch.Tensor:
+    """This rank's padded piece of ``full`` over its group of ``group_size`` ranks: what
+    ``shard(reshard_after_forward=k)`` keeps of a gathered parameter for the backward."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    layout = Dim0Layout(full.shape, group_size)
+    if layout.replicated:  # a 0-D value: every rank keeps it, as one row
+        return full.reshape(1).clone()
+    place = dist.get_rank(_resolve_process_group(group_name))
+    rows = layout.local(full, place)
+    piece = full.new_zeros(layout.piece_shape)
+    piece[:rows.shape[0]].copy_(rows)
+    return piece
+
+
 torch.library.register_kernel("graphshard::unshard", None, _unshard_eager)
 torch.library.register_kernel("graphshard::reduce_grad", None, _reduce_grad_eager)
+torch.library.register_kernel("graphshard::take_group_piece", None, _take_group_piece_eager)
 
 
 _ACCUM = UnshardArgs._fields.index("accum")  # the input a held-back gradient goes to

@@ -51,6 +51,7 @@ from graphshard.api.offload import (
 from graphshard.api.optimizer_state import keep_scalar_states_replicated
 from graphshard.api.optimizer_steps import step_reducing_optimizers
 from graphshard.api.param_reads import install_reads, register_state
+from graphshard.api.reshard_groups import resolve_reshard
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
@@ -342,10 +343,11 @@ def _check_shard_options(module: object, mesh: object, reshard_after_forward: ob
             f"shard) for HSDP) or None for the default process group, got {mesh!r} "
             f"({type(mesh).__name__})"
         )
-    if not isinstance(reshard_after_forward, bool) and reshard_after_forward != "auto":
+    if not isinstance(reshard_after_forward, (bool, int)) and reshard_after_forward != "auto":
         raise GraphshardTypeError(
             f"graphshard.shard() option reshard_after_forward must be True (free the gathered "
-            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), or "
+            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), "
+            f"an int k (keep 1/k of each, gathered again over groups of k ranks), or "
             f"'auto' (the compiler chooses per bucket within backend(memory_budget=...)); got "
             f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
         )
@@ -431,7 +433,7 @@ def shard(
     mesh: DeviceMesh | None = None,
     *,
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
-    reshard_after_forward: bool | Literal["auto"] = True,
+    reshard_after_forward: bool | int | Literal["auto"] = True,
     mixed_precision: MixedPrecision | None = None,
     offload: CPUOffload | None = None,
     compile_blocks_once: bool = True,
@@ -465,7 +467,11 @@ def shard(
             ``"auto"``: the compiler chooses per bucket, keeping what fits the backend's
             ``memory_budget`` (default: the GPU's memory; on the CPU everything is kept) and
             freeing the rest, fastest predicted schedule first
-            (:mod:`graphshard.passes.auto_reshard`). Uncompiled (eager), the three run alike.
+            (:mod:`graphshard.passes.auto_reshard`); an int ``k`` dividing the ranks
+            (FSDP2's): each rank keeps ``1/k`` of each freed parameter and the backward
+            gathers it again within its group of ``k`` consecutive ranks, a node's GPUs
+            where ``k`` is their count (``1`` is ``False``, the rank count ``True``).
+            Uncompiled (eager), ``"auto"`` and an int run as ``True``.
         mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
         offload: ``CPUOffload()`` keeps the shards (pinned by default), gradients and
@@ -529,6 +535,7 @@ def shard(
         )
     group, replica_group = _resolve_groups(mesh)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    reshard_after_forward, reshard_group = resolve_reshard(reshard_after_forward, group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         hint = ""
@@ -622,6 +629,8 @@ def shard(
                 replica_size=replica_size,
                 compute_device=compute_device,
                 divide_factor=state.gradient_divide_factor,
+                reshard_group="" if reshard_group is None else reshard_group.group_name,
+                reshard_size=1 if reshard_group is None else reshard_group.size(),
             )
             specs[pname] = (entry, spec)
         install_reads(sub, specs, state, state_index,

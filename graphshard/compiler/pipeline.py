@@ -14,12 +14,16 @@ Stages and their passes (each dumped before and after when a dump directory is s
   through the no-op views of DTensor's ``to_local``), ``merge_reduce_grad`` (one
   reduction per parameter read under several markers, e.g. inside and outside a checkpoint),
   ``assign_buckets`` (the ``size``/``auto`` strategies),
-  ``reshard`` (tag markers so the min-cut partitioner frees full parameters);
-- ``fw``: ``lower_unshard``, ``prefetch``, ``step_prefetch`` (the leading gathers may come
-  from the previous optimizer step), ``shard_copy_stream`` (on by default: offloaded
-  shards go to the device on a copy stream, a bucket ahead), ``sizes_outside_regions`` (an
-  op outside a block region that reads a size the region returned reads the graph's own
-  size input instead: Inductor cannot take the region's as a size),
+  ``reshard`` (tag markers so the min-cut partitioner frees full parameters),
+  ``keep_group_pieces`` (``reshard_after_forward=k``: the backward gathers again over a
+  group of ``k`` ranks, from the piece the forward kept);
+- ``fw``: ``read_forward_gathers`` (the forward reads its own gathers, not those
+  ``keep_group_pieces`` added for the backward), ``lower_unshard``, ``prefetch``,
+  ``step_prefetch`` (the leading gathers may come from the previous optimizer step),
+  ``shard_copy_stream`` (on by default: offloaded shards go to the device on a copy
+  stream, a bucket ahead), ``sizes_outside_regions`` (an op outside a block region that
+  reads a size the region returned reads the graph's own size input instead: Inductor
+  cannot take the region's as a size),
   ``resolve_region_operand_views`` (a region operand with the conjugate or negative bit,
   which ``invoke_subgraph`` has no kernel for, is cloned first), ``gloo_gathers`` (on
   gloo groups, each all-gather becomes the single-tensor one: gloo's coalesced one corrupts
@@ -54,12 +58,14 @@ from graphshard.passes import (
     gloo_gathers,
     grad_copy_stream,
     inline_unsupported_regions,
+    keep_group_pieces,
     lower_reduce_grad,
     lower_unshard,
     merge_reduce_grad,
     overlap_reduce,
     parameters_first_in_regions,
     prefetch,
+    read_forward_gathers,
     read_shared_region_outputs_once,
     reshard,
     resolve_region_operand_views,
@@ -82,9 +88,9 @@ PIPELINE: dict[str, list[Pass]] = {
     "dynamo": [inline_unsupported_regions, dedupe_unshard, parameters_first_in_regions,
                resolve_region_operand_views],
     "joint": [rewire_region_passthrough, read_shared_region_outputs_once, fold_views,
-              merge_reduce_grad, assign_buckets, reshard],
-    "fw": [lower_unshard, prefetch, step_prefetch, shard_copy_stream, sizes_outside_regions,
-           resolve_region_operand_views, gloo_gathers],
+              merge_reduce_grad, assign_buckets, reshard, keep_group_pieces],
+    "fw": [read_forward_gathers, lower_unshard, prefetch, step_prefetch, shard_copy_stream,
+           sizes_outside_regions, resolve_region_operand_views, gloo_gathers],
     "inference": [fold_views, assign_buckets, lower_unshard, prefetch, shard_copy_stream,
                   sizes_outside_regions, resolve_region_operand_views, gloo_gathers],
     "bw": [lower_unshard, split_last_reduce, lower_reduce_grad, prefetch, overlap_reduce,
