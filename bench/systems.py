@@ -177,9 +177,11 @@ def variant_options(name: str) -> dict[str, Any] | None:
             options[key] = text
     for key in SHARD_OPTIONS & options.keys():
         value = options[key]
-        if isinstance(value, bool) or (key == "reshard_after_forward" and value == "auto"):
-            continue
-        allowed = "True, False or auto" if key == "reshard_after_forward" else "True or False"
+        if isinstance(value, bool) or (key == "reshard_after_forward" and (
+                value == "auto" or (isinstance(value, int) and value > 0))):
+            continue  # an int is checked against the ranks by shard() itself
+        allowed = ("True, False, auto or a positive int" if key == "reshard_after_forward"
+                   else "True or False")
         raise ValueError(f"{name}: {key} must be {allowed}, got {value!r}")
     if match["kind"] == "eager" and options.keys() - SHARD_OPTIONS:
         raise ValueError(f"{name}: an eager variant takes only graphshard.shard options "

@@ -340,7 +340,7 @@ def test_variant_options_parse_literals_and_say_what_is_wrong():
         "graphshard-compiled[a=1,a=2]": "given twice",
         "graphshard-compiled[buckting=size]": "Unknown graphshard backend option",
         "graphshard-compiled[bucketing=sz]": "bucketing must be one of",
-        "graphshard-compiled[reshard_after_forward=0]": "must be True, False or auto",
+        "graphshard-compiled[reshard_after_forward=0]": "must be True, False, auto or a positive",
         "graphshard-compiled[compile_blocks_once=auto]": "must be True or False",
         "graphshard-eager[bucketing=size]": "an eager variant takes only graphshard.shard",
     }
@@ -351,6 +351,8 @@ def test_variant_options_parse_literals_and_say_what_is_wrong():
         "reshard_after_forward": "auto"}
     assert variant_options("graphshard-eager[reshard_after_forward=False]") == {
         "reshard_after_forward": False}
+    assert variant_options("graphshard-compiled[reshard_after_forward=8]") == {
+        "reshard_after_forward": 8}
 
 
 def test_systems_list_keeps_a_variants_commas():
