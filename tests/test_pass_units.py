@@ -22,11 +22,13 @@ from graphshard.passes import (
     assign_buckets,
     dedupe_unshard,
     fold_views,
+    keep_group_pieces,
     lower_reduce_grad,
     lower_unshard,
     merge_reduce_grad,
     overlap_reduce,
     prefetch,
+    read_forward_gathers,
     reshard,
 )
 from graphshard.passes.errors import GraphLoweringError
@@ -34,6 +36,7 @@ from graphshard.passes.fx_util import NodeMaker
 from graphshard.passes.layout import Dim0Layout
 from graphshard.passes.markers import (
     REDUCE_GRAD,
+    TAKE_GROUP_PIECE,
     UNSHARD,
     ReduceGradArgs,
     UnshardSpec,
@@ -431,6 +434,51 @@ def test_reshard_puts_markers_above_every_checkpoint_region(group):
         mm.meta["ac_graph_id"] = 2 + i
     gm = run("joint", reshard, gm)
     assert {n.meta["ac_graph_id"] for n in calls(gm, UNSHARD)} == {5}
+
+
+# ---------------------------------------------------- keep_group_pieces, read_forward_gathers
+
+
+def _tagged_three_buckets(group: str, size: int) -> fx.GraphModule:
+    """``_three_buckets`` after ``reshard``, its markers carrying a group of ``size`` (the
+    fake world's own group: the passes never look at it)."""
+    gm = run("joint", reshard, _three_buckets(group))
+    for node in calls(gm, UNSHARD):
+        spec = marker_args(node)._replace(reshard_group=group, reshard_size=size)
+        node.args = tuple(spec)
+    return gm
+
+
+def test_keep_group_pieces_reads_freed_markers_through_the_groups_gather(group):
+    """Each freed marker (the first two buckets) gets this rank's piece over the group of 2
+    (``MUST_SAVE``) and an ``unshard`` of it over that group (``MUST_RECOMPUTE``), which
+    the matmul now reads; the kept bucket and a marker without a group are left alone."""
+    gm = run("joint", keep_group_pieces, _tagged_three_buckets(group, 2))
+    pieces = calls(gm, TAKE_GROUP_PIECE)
+    assert [shape(p) for p in pieces] == [(4, 8), (4, 8)]  # [8, 8] over 2 ranks
+    assert all(p.meta["recompute"] == CheckpointPolicy.MUST_SAVE for p in pieces)
+    regathers = [n for n in calls(gm, UNSHARD) if marker_args(n).shard in pieces]
+    assert [(marker_args(n).world_size, marker_args(n).reshard_size) for n in regathers] == [
+        (2, 1), (2, 1)]
+    assert all(n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for n in regathers)
+    mms = calls(gm, aten.mm.default)
+    assert [mm.args[1] for mm in mms[:2]] == regathers
+    assert marker_args(mms[2].args[1]).reshard_size == 2  # the kept bucket: read as it was
+    untagged = run("joint", keep_group_pieces, _tagged_three_buckets(group, 1))
+    assert not calls(untagged, TAKE_GROUP_PIECE)
+
+
+def test_read_forward_gathers_reads_the_first_gather(group):
+    """In a forward, the group's gather of a piece of a gathered parameter is that
+    parameter: its reader reads the first gather; the piece stays (saved for backward)."""
+    gm = run("joint", keep_group_pieces, _tagged_three_buckets(group, 2))
+    first = [n for n in calls(gm, UNSHARD) if marker_args(n).reshard_size == 2]
+    gm.graph.output_node().args = (gm.graph.output_node().args[0],
+                                   *calls(gm, TAKE_GROUP_PIECE))
+    gm = run("fw", read_forward_gathers, gm)
+    assert len(calls(gm, UNSHARD)) == 3
+    assert [mm.args[1] for mm in calls(gm, aten.mm.default)] == first
+    assert len(calls(gm, TAKE_GROUP_PIECE)) == 2
 
 
 # ------------------------------------------------------------------------------ lower_unshard
