@@ -90,6 +90,23 @@ def test_forward_saves_the_pieces_not_the_gathered_parameters(fake4):
     assert len(calls(stages["fw"], c10d.all_gather_into_tensor.default)) == 3
 
 
+def test_hsdp_gathers_within_runs_of_its_shard_groups():
+    """HSDP on 2 x 4 (a fake world of 8): the backward gathers over 2 of the 4 ranks of this
+    rank's shard group; the gradients still go over the whole shard group and replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(8):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        stages = compile_and_step(graphshard.shard(TwoBlock(), mesh, reshard_after_forward=2))
+    assert [g.args[1] for g in calls(stages["fw"], c10d.all_gather_into_tensor.default)] == [
+        4, 4, 4]
+    assert [g.args[1] for g in calls(stages["bw"], c10d.all_gather_into_tensor.default)] == [
+        2, 2]
+    assert [n.args[2] for n in calls(stages["bw"], c10d.reduce_scatter_tensor.default)] == [
+        4, 4, 4]
+
+
 @pytest.mark.parametrize("reshard,bw_gathers", [(1, 0), (4, 2)])
 def test_one_and_the_world_read_as_false_and_true(fake4, reshard, bw_gathers):
     model = graphshard.shard(TwoBlock(), reshard_after_forward=reshard)
