@@ -15,7 +15,7 @@ import json
 import math
 import operator
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -36,6 +36,8 @@ __all__ = [
     "collective_bytes_per_rank",
     "collective_group",
     "collective_kind",
+    "collective_ranks",
+    "GROUP_RANKS",
     "get_profile",
     "node_flops",
     "node_time",
@@ -62,10 +64,33 @@ class HardwareProfile:
     # host <-> device link in one direction, bytes/s (CPU offload's copies); None: the
     # device is the host (memory bandwidth)
     host_link_Bps: float | None = None
+    # A cluster of nodes of ``node_size`` ranks: ``alpha_s`` and ``bandwidth_Bps`` are then
+    # the links within a node, and a group whose ranks span nodes runs at these instead.
+    # None: every group runs at ``alpha_s`` and ``bandwidth_Bps``.
+    node_size: int | None = None
+    inter_node_alpha_s: float | None = None
+    inter_node_Bps: float | None = None
 
     def host_copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` between host and device memory (CPU offload)."""
         return nbytes / (self.host_link_Bps or self.mem_bandwidth_Bps)
+
+    def spans_nodes(self, n: int, ranks: Sequence[int] | None = None) -> bool:
+        """Whether a group of ``n`` ranks (global ``ranks``, where known) spans nodes: ranks
+        ``0..node_size-1`` make the first node. Without its ranks, a group larger than a
+        node does; a smaller one is taken to be within one."""
+        if self.node_size is None:
+            return False
+        if ranks:
+            return len({r // self.node_size for r in ranks}) > 1
+        return n > self.node_size
+
+    def link(self, spans_nodes: bool) -> tuple[float, float]:
+        """Seconds per ring hop and bytes/s per rank of a group within a node, or spanning
+        nodes."""
+        if spans_nodes and self.node_size is not None:
+            return float(self.inter_node_alpha_s or 0.0), float(self.inter_node_Bps or 1.0)
+        return self.alpha_s, self.bandwidth_Bps
 
     def __post_init__(self) -> None:
         for field in ("bandwidth_Bps", "peak_flops", "mem_bandwidth_Bps"):
@@ -78,6 +103,13 @@ class HardwareProfile:
         if self.host_link_Bps is not None and not self.host_link_Bps > 0:
             raise GraphshardValueError(
                 f"HardwareProfile {self.name!r}: host_link_Bps must be positive or None")
+        if self.node_size is not None and not (
+                self.node_size >= 1 and (self.inter_node_Bps or 0) > 0
+                and (self.inter_node_alpha_s or 0) >= 0
+                and self.inter_node_alpha_s is not None):
+            raise GraphshardValueError(
+                f"HardwareProfile {self.name!r}: with node_size, node_size must be >= 1, "
+                f"inter_node_Bps positive and inter_node_alpha_s >= 0")
 
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -113,6 +145,23 @@ PROFILES: dict[str, HardwareProfile] = {
             "host link as h100-nvlink's"
         ),
         host_link_Bps=40e9,
+    ),
+    # Nodes of 8 H100s (DGX H100): NVLink within a node, one InfiniBand NDR port per GPU
+    # between nodes; a group priced by where its ranks are.
+    "h100-cluster": HardwareProfile(
+        name="h100-cluster",
+        alpha_s=3e-6,
+        bandwidth_Bps=450e9,
+        peak_flops=989e12,
+        mem_bandwidth_Bps=3.35e12,
+        source=(
+            "DGX H100 nodes of 8 GPUs: within a node h100-nvlink's links, between nodes "
+            "h100-infiniband's (50 GB/s per GPU, alpha 5 us/hop); the same GPU figures"
+        ),
+        host_link_Bps=40e9,
+        node_size=8,
+        inter_node_alpha_s=5e-6,
+        inter_node_Bps=50e9,
     ),
     # Loopback gloo on a 2-core CPU box: fp32 matmul measured around 100 GFLOP/s with 2
     # threads, halved here; TCP loopback and copy bandwidth of a few GB/s, rounded down.
@@ -172,27 +221,35 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike | None = None
 # --- α-β ring collectives --------------------------------------------------------------------
 
 
-def all_gather_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
-    """Ring all-gather producing ``total_bytes`` (the full output) on ``n`` ranks."""
+def all_gather_time(total_bytes: float, n: int, profile: HardwareProfile,
+                    spans_nodes: bool | None = None) -> float:
+    """Ring all-gather producing ``total_bytes`` (the full output) on ``n`` ranks, over the
+    links within a node or between nodes (``spans_nodes``; None: as
+    :meth:`HardwareProfile.spans_nodes` guesses from ``n``)."""
     if n <= 1:
         return 0.0
-    return profile.alpha_s * (n - 1) + (n - 1) / n * total_bytes / profile.bandwidth_Bps
+    alpha, bandwidth = profile.link(profile.spans_nodes(n) if spans_nodes is None
+                                    else spans_nodes)
+    return alpha * (n - 1) + (n - 1) / n * total_bytes / bandwidth
 
 
-def reduce_scatter_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+def reduce_scatter_time(total_bytes: float, n: int, profile: HardwareProfile,
+                        spans_nodes: bool | None = None) -> float:
     """Ring reduce-scatter of a ``total_bytes`` (full) input on ``n`` ranks."""
-    return all_gather_time(total_bytes, n, profile)
+    return all_gather_time(total_bytes, n, profile, spans_nodes)
 
 
-def all_reduce_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+def all_reduce_time(total_bytes: float, n: int, profile: HardwareProfile,
+                    spans_nodes: bool | None = None) -> float:
     """Ring all-reduce: a reduce-scatter followed by an all-gather of ``total_bytes``."""
-    return 2 * all_gather_time(total_bytes, n, profile)
+    return 2 * all_gather_time(total_bytes, n, profile, spans_nodes)
 
 
-def all_to_all_time(total_bytes: float, n: int, profile: HardwareProfile) -> float:
+def all_to_all_time(total_bytes: float, n: int, profile: HardwareProfile,
+                    spans_nodes: bool | None = None) -> float:
     """All-to-all of a ``total_bytes`` input on ``n`` ranks: each rank keeps 1/n of it and
     sends the rest, priced like a ring all-gather of the same bytes."""
-    return all_gather_time(total_bytes, n, profile)
+    return all_gather_time(total_bytes, n, profile, spans_nodes)
 
 
 # --- node costs ------------------------------------------------------------------------------
@@ -274,6 +331,18 @@ def collective_group(node: fx.Node) -> tuple[str, int | None]:
         return name, int(node.args[2])
     size = node.meta.get("graphshard", {}).get("group_size", node.meta.get("group_size"))
     return name, None if size is None else int(size)
+
+
+GROUP_RANKS = "graphshard_group_ranks"  # gm.meta: {group name: its global ranks}
+
+
+def collective_ranks(node: fx.Node) -> tuple[int, ...] | None:
+    """The global ranks of collective ``node``'s group, where the graph records them
+    (``gm.meta[GROUP_RANKS]``, written by the graphshard backend, which knows the groups;
+    the passes never look at a process group)."""
+    owner = node.graph.owning_module
+    known = owner.meta.get(GROUP_RANKS) if owner is not None else None
+    return None if not known else known.get(collective_group(node)[0])
 
 
 @_names_node
@@ -410,19 +479,21 @@ def node_time(node: fx.Node, profile: HardwareProfile, *, world_size: int | None
     arguments and tags do not say it (see :func:`collective_group`).
     """
     kind = collective_kind(node)
-    if kind == "all_gather":
-        return all_gather_time(tensor_bytes(node.meta["val"]), int(node.args[1]), profile)
-    if kind == "reduce_scatter":
-        return reduce_scatter_time(input_bytes(node), int(node.args[2]), profile)
-    if kind in ("all_reduce", "all_to_all"):
+    if kind is not None:
         # An all-reduce the lowering made (HSDP's replica reduction) records its group size;
         # the backend records the size of DTensor's (tensor parallel) ones.
         size = collective_group(node)[1] or world_size
         if size is None:
             raise GraphshardValueError(f"{node.name}: {kind} needs world_size to be costed")
+        spans = profile.spans_nodes(size, collective_ranks(node))
+        if kind == "all_gather":
+            return all_gather_time(tensor_bytes(node.meta["val"]), size, profile, spans)
+        if kind == "reduce_scatter":
+            return reduce_scatter_time(input_bytes(node), size, profile, spans)
         if kind == "all_to_all":
-            return all_to_all_time(tensor_bytes(node.args[0].meta["val"]), size, profile)
-        return all_reduce_time(tensor_bytes(node.meta["val"]), size, profile)
+            return all_to_all_time(tensor_bytes(node.args[0].meta["val"]), size, profile,
+                                   spans)
+        return all_reduce_time(tensor_bytes(node.meta["val"]), size, profile, spans)
     body = _region_nodes(node)
     if body is not None:  # a block region: what its body's nodes take
         return sum(node_time(n, profile, world_size=world_size) for n in body)

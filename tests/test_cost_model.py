@@ -225,3 +225,45 @@ def test_host_copies_are_priced_over_the_host_link():
     assert cpu.host_copy_time(5e9) == pytest.approx(5e9 / cpu.mem_bandwidth_Bps)
     with pytest.raises(GraphshardValueError, match="host_link_Bps"):
         HardwareProfile("x", 1e-6, 1e9, 1e12, 1e12, host_link_Bps=0.0)
+
+
+# Nodes of 4 ranks: 10 us and 1 GB/s within a node, 20 us and 0.1 GB/s between nodes.
+CLUSTER = HardwareProfile("test-cluster", alpha_s=1e-5, bandwidth_Bps=1e9, peak_flops=1e12,
+                          mem_bandwidth_Bps=1e11, node_size=4, inter_node_alpha_s=2e-5,
+                          inter_node_Bps=1e8)
+
+
+def test_a_group_spanning_nodes_runs_at_the_links_between_them():
+    # 2 ranks, 8 MB gathered: 1 hop + 1/2 * 8e6 B, within a node or between two
+    assert all_gather_time(8e6, 2, CLUSTER, spans_nodes=False) == pytest.approx(1e-5 + 4e-3)
+    assert all_gather_time(8e6, 2, CLUSTER, spans_nodes=True) == pytest.approx(2e-5 + 4e-2)
+    # without ranks, a group larger than a node spans nodes; ranks say where it is
+    assert not CLUSTER.spans_nodes(4) and CLUSTER.spans_nodes(8)
+    assert not CLUSTER.spans_nodes(2, (4, 5)) and CLUSTER.spans_nodes(2, (0, 4))
+    assert not PROF.spans_nodes(1024)  # no node_size: one kind of link
+    cluster = PROFILES["h100-cluster"]
+    assert cluster.link(False) == (3e-6, 450e9) and cluster.link(True) == (5e-6, 50e9)
+    with pytest.raises(ValueError, match="inter_node_Bps positive"):
+        HardwareProfile("bad", alpha_s=0, bandwidth_Bps=1, peak_flops=1, mem_bandwidth_Bps=1,
+                        node_size=8)
+
+
+def test_a_collective_is_priced_by_the_ranks_its_graph_records():
+    """``gm.meta[GROUP_RANKS]`` (the backend records it) places the gather's group: ranks 4
+    and 5 share a node, ranks 3 and 4 do not."""
+    from torch import fx
+
+    from graphshard.passes.cost_model import GROUP_RANKS
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gather = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default,
+                                 (x, 2, "g"))
+    gather.meta["val"] = torch.empty(2_000_000)  # 8 MB gathered
+    graph.output(gather)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert node_time(gather, CLUSTER) == pytest.approx(1e-5 + 4e-3)  # 2 ranks: one node
+    gm.meta[GROUP_RANKS] = {"g": (3, 4)}
+    assert node_time(gather, CLUSTER) == pytest.approx(2e-5 + 4e-2)
+    gm.meta[GROUP_RANKS] = {"g": (4, 5)}
+    assert node_time(gather, CLUSTER) == pytest.approx(1e-5 + 4e-3)

@@ -97,3 +97,31 @@ def test_frozen_parameters_trace_and_take_no_gradient_traffic_or_state(capsys):
     for line in report.splitlines()[-2:]:  # formula and graph agree, bytes and state
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[3] == cells[4] and cells[6] == cells[7], line
+
+
+def test_reshard_to_groups_of_a_node_prices_the_backward_on_the_node(tmp_path):
+    """``--reshard-after-forward 8`` at 16 ranks on ``h100-cluster`` (nodes of 8): the
+    backward's gathers run within a node, over NVLink instead of InfiniBand, so the step's
+    communication takes less time than with ``true``; between forward and backward each
+    rank keeps an eighth of the parameters the backward reads, besides its shard."""
+    rows = {}
+    for reshard in ("true", "8", "false"):
+        out = tmp_path / f"{reshard}.json"
+        assert main(["plan", "--model", "tiny", "--world-size", "16", "--seq-len", "32",
+                     "--profile", "h100-cluster", "--reshard-after-forward", reshard,
+                     "--json", str(out)]) == 0
+        (rows[reshard],) = json.loads(out.read_text())
+    assert rows["false"]["comm_s"] < rows["8"]["comm_s"] < rows["true"]["comm_s"]
+    assert rows["8"]["params_regathered"] == rows["true"]["params_regathered"]
+    # the pieces the forward keeps (counted with the activations it saves): fp32, 1/8 each
+    kept = rows["8"]["activations"] - rows["true"]["activations"]
+    assert kept == rows["true"]["params_regathered"] * 4 // 8
+    assert rows["8"]["memory_total"] < rows["false"]["memory_total"]
+
+
+def test_reshard_after_forward_and_memory_budget_are_refused_together():
+    import pytest
+
+    with pytest.raises(SystemExit, match="leave --reshard-after-forward out"):
+        main(["plan", "--model", "tiny", "--world-size", "8", "--memory-budget", "1GiB",
+              "--reshard-after-forward", "8"])

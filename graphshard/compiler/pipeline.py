@@ -75,7 +75,7 @@ from graphshard.passes import (
     split_last_reduce,
     step_prefetch,
 )
-from graphshard.passes.cost_model import collective_group, collective_kind
+from graphshard.passes.cost_model import GROUP_RANKS, collective_group, collective_kind
 from graphshard.passes.gloo_gathers import FUNCTIONAL_GATHERS
 from graphshard.passes.markers import is_reduce_grad, is_unshard, marker_args
 from graphshard.passes.runner import PassRunner
@@ -126,19 +126,26 @@ def record_group_facts(gm: fx.GraphModule) -> None:
       marker, so that ``lower_reduce_grad`` picks the reduce-scatter algorithm of the group
       (``Plan.reduce_scatter_via="auto"``), and on every ``unshard`` marker and functional
       all-gather, so that ``gloo_gathers`` finds the gathers of gloo groups (the lowering
-      passes a marker's on to the gather it becomes).
+      passes a marker's on to the gather it becomes);
+    - ``gm.meta[GROUP_RANKS]``: the global ranks of every group the graph's markers and
+      collectives name, so that the cost model prices a group within a node and one across
+      nodes at their own links (``HardwareProfile.node_size``).
 
     Groups this process does not know are left alone."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed.distributed_c10d import _resolve_process_group
 
+    names: set[str] = set()
     for node in gm.graph.nodes:
         if is_reduce_grad(node) or is_unshard(node):
             args = marker_args(node)
             read = args.grad if is_reduce_grad(node) else args.shard
             node.meta["group_backend"] = group_backend(args.group_name, _device_of(read))
+            names.update(v for k, v in args._asdict().items() if "group" in k and v)
             continue
+        if collective_kind(node) is not None:
+            names.add(collective_group(node)[0])
         if node.target in FUNCTIONAL_GATHERS:  # DTensor's, in tensor-parallel graphs
             node.meta["group_backend"] = group_backend(node.args[2], _device_of(node.args[0]))
             continue
@@ -150,3 +157,9 @@ def record_group_facts(gm: fx.GraphModule) -> None:
                 node.meta["group_size"] = _resolve_process_group(name).size()
             except (ValueError, RuntimeError, KeyError):
                 pass
+    ranks = gm.meta.setdefault(GROUP_RANKS, {})
+    for name in names - ranks.keys():
+        try:
+            ranks[name] = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+        except (ValueError, RuntimeError, KeyError):
+            pass

@@ -37,6 +37,30 @@ def _memory_budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _reshard(text: str) -> bool | int:
+    """``--reshard-after-forward``: true, false, or ``k``, the ranks of a group."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"expected true, false or a positive int k (the backward gathers within groups of k "
+        f"ranks, e.g. the 8 GPUs of a node), got {text!r}")
+
+
+def _shard_options(args: argparse.Namespace) -> dict:
+    """``graphshard.shard`` options of the trace: ``--memory-budget`` shards with
+    ``reshard_after_forward="auto"``; ``--reshard-after-forward`` sets it."""
+    if args.memory_budget is not None and args.reshard_after_forward is not None:
+        raise SystemExit("graphshard: --memory-budget chooses reshard_after_forward per "
+                         "bucket ('auto'); leave --reshard-after-forward out with it")
+    if args.memory_budget is not None:
+        return {"reshard_after_forward": "auto"}
+    if args.reshard_after_forward is not None:
+        return {"reshard_after_forward": args.reshard_after_forward}
+    return {}
+
+
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help=TP_HELP)
     parser.add_argument("--bucketing", choices=["block", "size", "auto"], default="block",
@@ -47,6 +71,10 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="all-gathers issued ahead of the bucket computing")
     parser.add_argument("--max-unsharded-bytes", type=int, default=None,
                         help="cap on gathered bytes alive at once")
+    parser.add_argument("--reshard-after-forward", default=None, type=_reshard,
+                        help="shard(reshard_after_forward=...): true (default), false, or k: "
+                        "the backward gathers within groups of k ranks (a node's GPUs; "
+                        "price it with --profile h100-cluster)")
     parser.add_argument("--memory-budget", default=None, type=_memory_budget,
                         help="bytes of memory per rank (e.g. 40GiB, 80GB, 42949672960): shard "
                         "with reshard_after_forward='auto' and let the compiler keep or free "
@@ -60,7 +88,8 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         default="auto", help="how a bucket's gradients are reduce-scattered "
                         "(coalesced: each gradient where it lives, no copy into a buffer)")
     parser.add_argument("--profile", default="cpu-gloo",
-                        help="hardware profile: h100-nvlink, h100-infiniband, cpu-gloo, or a "
+                        help="hardware profile: h100-nvlink, h100-infiniband, h100-cluster "
+                        "(nodes of 8: NVLink within, InfiniBand between), cpu-gloo, or a "
                         "calibrated one")
 
 
@@ -87,10 +116,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     factory = load_factory(args.factory)
     out = Path(args.out)
     start = time.perf_counter()
-    auto = {} if args.memory_budget is None else {
-        "shard_options": {"reshard_after_forward": "auto"}}
-    graphs = trace_offline(factory, args.world_size, dump_dir=str(out), **auto,
-                           **_plan_options(args))
+    graphs = trace_offline(factory, args.world_size, dump_dir=str(out),
+                           shard_options=_shard_options(args) or None, **_plan_options(args))
     elapsed = time.perf_counter() - start
     mesh = f" ((dp, tp) = ({dp}, {tp}))" if tp > 1 else ""
     print(f"traced {len(graphs)} graph(s) at world size {args.world_size}{mesh} in "
@@ -121,9 +148,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mesh_shape(n, args.tp)
     resolve_factory(args.model, args.batch_size, args.seq_len, args.tp)
     jobs = args.jobs or min(len(sizes), os.cpu_count() or 1)
+    options = {**_plan_options(args), "shard_options": _shard_options(args) or None}
     rows = []
-    for row in plan_many(args.model, args.batch_size, args.seq_len, sizes, _plan_options(args),
-                         jobs):
+    for row in plan_many(args.model, args.batch_size, args.seq_len, sizes, options, jobs):
         rows.append(row)
         mesh = f" (dp {row.dp} x tp {row.tp})" if row.tp > 1 else ""
         print(f"N={row.world_size}{mesh}: traced in {row.trace_s:.1f} s (passes "

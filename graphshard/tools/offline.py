@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard
 from graphshard.api.sharding import shard, shard_state
 from graphshard.compiler.backend import GraphshardBackend
 from graphshard.errors import GraphshardRuntimeError, GraphshardTypeError, GraphshardValueError
+from graphshard.passes.markers import is_unshard, marker_args
 
 __all__ = [
     "FAKE_ACCELERATOR",
@@ -234,6 +235,11 @@ def trace_step_offline(
                 scalar_loss(output).backward()
         frozen = frozenset(name for entry in shard_state(model).params
                            if not entry.param.requires_grad for name in entry.names)
+        for stages in backend.graphs:  # reshard_after_forward=k: its groups are dp's too
+            for gm in stages.values():
+                for node in gm.graph.nodes:
+                    if is_unshard(node) and marker_args(node).reshard_group:
+                        groups.setdefault(marker_args(node).reshard_group, "dp")
         return OfflineTrace(backend.graphs, dp, tp, groups, total, split,
                             sum(backend.pass_seconds.values()), frozen)
 

@@ -204,14 +204,17 @@ def _regathered(bw: fx.GraphModule) -> set[str]:
 
 
 def what_if(
-    factory: Factory, world_size: int, *, profile: str, tp: int = 1, **plan_options
+    factory: Factory, world_size: int, *, profile: str, tp: int = 1,
+    shard_options: dict | None = None, **plan_options
 ) -> WhatIf:
     """Trace ``factory()`` at ``world_size`` fake ranks (``world_size // tp`` × ``tp``) and
     size up one training step. With ``memory_budget`` the model is sharded with
-    ``reshard_after_forward="auto"`` and the choice per bucket is in ``reshard_choices``."""
+    ``reshard_after_forward="auto"`` and the choice per bucket is in ``reshard_choices``;
+    ``shard_options`` are other ``graphshard.shard`` options (``reshard_after_forward=8``)."""
     start = time.perf_counter()
     budget = plan_options.get("memory_budget")
-    shard_options = None if budget is None else {"reshard_after_forward": "auto"}
+    if budget is not None:
+        shard_options = {**(shard_options or {}), "reshard_after_forward": "auto"}
     trace = trace_step_offline(factory, world_size, tp=tp, profile=profile,
                                shard_options=shard_options, **plan_options)
     trace_s = time.perf_counter() - start
