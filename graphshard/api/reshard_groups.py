@@ -17,8 +17,8 @@ from graphshard.errors import GraphshardValueError
 
 __all__ = ["resolve_reshard"]
 
-# (shard group, k, default group) -> this rank's group of k: made once per process group
-_GROUPS: dict[tuple[str, int, int], dist.ProcessGroup] = {}
+# (shard group's name, k) -> this rank's group of k: made once while it lives
+_GROUPS: dict[tuple[str, int], dist.ProcessGroup] = {}
 
 
 def resolve_reshard(reshard_after_forward: bool | int | str, group: dist.ProcessGroup,
@@ -41,10 +41,12 @@ def resolve_reshard(reshard_after_forward: bool | int | str, group: dist.Process
         return False, None
     if k == world:
         return True, None
-    key = (group.group_name, k, id(dist.distributed_c10d._get_default_group()))
-    if key not in _GROUPS:
-        _GROUPS[key] = _make_groups(group, k)
-    return k, _GROUPS[key]
+    key = (group.group_name, k)
+    made = _GROUPS.get(key)
+    # a group destroyed since (destroy_process_group) leaves torch's registry of groups
+    if made is None or made not in dist.distributed_c10d._world.pg_map:
+        made = _GROUPS[key] = _make_groups(group, k)
+    return k, made
 
 
 def _make_groups(group: dist.ProcessGroup, k: int) -> dist.ProcessGroup:
