@@ -95,15 +95,15 @@ _lib.define(
 # collective in flight (its kernel: ``graphshard.safety.gloo_gather``). ``copy_input``: the
 # kernel sends a copy of ``input``, which the collective then owns, for an input the compiled
 # graph may overwrite before the wait (any intermediate buffer; not a graph input).
+_lib.define(
+    "all_gather_single(Tensor input, int group_size, str group_name, *, "
+    "bool copy_input=True) -> Tensor"
+)
 # ``shard(reshard_after_forward=k)``: this rank's padded piece of ``full`` split on dim 0
 # over ``group_size`` ranks (its ``Dim0Layout`` piece), a new tensor. The rank's place is
 # read from the group when it runs, so the graph is the same on every rank
 # (``graphshard.passes.group_reshard``; its kernel: ``graphshard.api.eager_kernels``).
 _lib.define("take_group_piece(Tensor full, int group_size, str group_name) -> Tensor")
-_lib.define(
-    "all_gather_single(Tensor input, int group_size, str group_name, *, "
-    "bool copy_input=True) -> Tensor"
-)
 # ``local_rows``: rows of dim 0 the reading rank holds; a final gradient comes out in that
 # local shape, a partial one (``all_reduce=False``) as the padded piece it accumulates in.
 # ``out_device`` (CPU offload): the device type the reduced gradient is copied to, the host
