@@ -127,6 +127,9 @@ class ShardState:
     regather_pending: dict = field(default_factory=dict)  # issued a bucket ahead in a backward
     root_resharding: bool = False  # the running root forward put those hooks in place
     reshard_kept: list = field(default_factory=list)  # the handles of the bucket saved last
+    # reshard_after_forward=k eagerly: per (forward, record) with handles alive, this rank's
+    # piece over its group of k, which the backward gathers over that group
+    group_pieces: dict = field(default_factory=dict)
     # optimizer steps taken over this model's parameters (graphshard.safety.guards counts
     # them): every rank must step alike, and the checks that are free compare it
     optimizer_steps: int = 0

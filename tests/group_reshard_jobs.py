@@ -3,6 +3,9 @@ trained against one process, and the groups it makes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from dist_utils import full_state
@@ -61,16 +64,43 @@ def train(rank: int, world_size: int, name: str, mode: str, reshard: bool | int,
     run = model if mode == "eager" else torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
-    for step in range(STEPS):
-        loss = _case(name).loss(run, _batch(name, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-    return {"losses": losses, "state": full_state(model),
-            "fw_gathers": _gathers(backend, "fw"), "bw_gathers": _gathers(backend, "bw")}
+    with _eager_gathers() as eager:
+        for step in range(STEPS):
+            eager["phase"] = "fw"
+            loss = _case(name).loss(run, _batch(name, step, rank))
+            eager["phase"] = "bw"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world_size)
+    if mode == "eager":
+        fw, bw = eager["fw"], eager["bw"]
+    else:
+        fw, bw = _gathers(backend, "fw"), _gathers(backend, "bw")
+    return {"losses": losses, "state": full_state(model), "fw_gathers": fw, "bw_gathers": bw}
+
+
+@contextlib.contextmanager
+def _eager_gathers() -> Iterator[dict]:
+    """The group size of each eager bucket gather, by phase (``"fw"`` / ``"bw"``, which the
+    caller sets): ``graphshard.api.bucket_gathers`` issues them all, a forward's buckets and
+    a backward's gathers again."""
+    from graphshard.api import bucket_gathers
+
+    seen: dict = {"phase": "fw", "fw": [], "bw": []}
+    issue = bucket_gathers.all_gather
+
+    def recorded(tensor, group_size, group_name):
+        seen[seen["phase"]].append(group_size)
+        return issue(tensor, group_size, group_name)
+
+    bucket_gathers.all_gather = recorded
+    try:
+        yield seen
+    finally:
+        bucket_gathers.all_gather = issue
 
 
 def reference(name: str, world_size: int) -> dict:

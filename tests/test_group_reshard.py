@@ -36,7 +36,8 @@ JOBS = [
     ("blocks_checkpointed", "lowered", 2, "fp32"),  # computed again in the backward
     # one bucket, freed too: a 0-D value, rows fewer than the group, a 3-D weight
     ("odd_params", "lowered_last", 2, "fp32"),
-    ("mlp_odd", "eager", 2, "fp32"),  # eagerly: resharded fully, as with True
+    ("mlp_odd", "eager", 2, "fp32"),  # eagerly: the pieces kept by saved-tensor hooks
+    ("llama_untied", "eager", 2, "fp32"),
     ("llama_untied", "lowered", 2, "bf16"),
     ("llama_untied", "lowered", True, "bf16"),
 ]
@@ -134,9 +135,9 @@ def test_trains_like_one_process(world4, job):
         assert_matches(rank_results[job], expected)
 
 
-@pytest.mark.parametrize("job", [j for j in FP32_JOBS if j[1] != "eager"],
-                         ids=lambda j: j[0])
-def test_compiled_backward_gathers_over_groups_of_two(world4, job):
+@pytest.mark.parametrize("job", FP32_JOBS, ids=lambda j: f"{j[0]}-{j[1]}")
+def test_backward_gathers_over_groups_of_two(world4, job):
+    """Compiled, and eagerly (through the saved-tensor hooks' handles)."""
     for rank_results in world4:
         assert set(rank_results[job]["fw_gathers"]) == {4}
         assert set(rank_results[job]["bw_gathers"]) == {2}

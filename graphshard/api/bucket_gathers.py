@@ -154,18 +154,23 @@ class _PendingGather:
     the members' full copies out; :meth:`drop` waits and lets it go (a collective's output
     is never freed while the collective may still write it)."""
 
-    __slots__ = ("reads", "key", "shards", "layouts", "sent", "gathered")
+    __slots__ = ("reads", "key", "shards", "layouts", "sent", "gathered", "world")
 
-    def __init__(self, reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None
-                 ) -> None:
+    def __init__(self, reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None,
+                 group_pieces: list[torch.Tensor] | None = None) -> None:
         self.reads, self.key = reads, key
         # what was sent: each member's local shard and its version counters then
         self.shards = [(e.param._local_tensor, _versions(e)) for e, _ in reads]
         first = reads[0][1]
         with torch.no_grad(), torch.inference_mode(False):
-            self.sent, self.layouts = _pieces(reads)
-            self.gathered: torch.Tensor | None = all_gather(
-                self.sent, first.world_size, first.group_name)
+            if group_pieces is None:
+                self.world, group = first.world_size, first.group_name
+                self.sent, self.layouts = _pieces(reads)
+            else:  # reshard_after_forward=k: the pieces kept, over the group of k
+                self.world, group = first.reshard_size, first.reshard_group
+                self.sent = torch.cat([piece.reshape(-1) for piece in group_pieces])
+                self.layouts = [Dim0Layout(spec.full_shape, self.world) for _, spec in reads]
+            self.gathered: torch.Tensor | None = all_gather(self.sent, self.world, group)
 
     def _wait(self) -> torch.Tensor:
         gathered = self.gathered
@@ -180,9 +185,8 @@ class _PendingGather:
 
     def copies(self) -> list[torch.Tensor]:
         """The members' full copies (without autograd), in ``reads``'s order."""
-        world = self.reads[0][1].world_size
         with torch.no_grad(), torch.inference_mode(False):
-            gathered = self._wait().view(world, -1)
+            gathered = self._wait().view(self.world, -1)
             fulls, offset = [], 0
             for layout in self.layouts:
                 part = gathered[:, offset:offset + layout.piece_numel]
@@ -197,11 +201,13 @@ class _PendingGather:
             self._wait()
 
 
-def issue_gather(reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None = None
-                 ) -> _PendingGather:
+def issue_gather(reads: list[tuple[ShardedParam, UnshardSpec]], key: tuple | None = None,
+                 group_pieces: list[torch.Tensor] | None = None) -> _PendingGather:
     """Issue the all-gather of the members in ``reads`` (records and their ``UnshardSpec``,
-    all travelling alike, as ``key`` says) in one collective."""
-    return _PendingGather(reads, key)
+    all travelling alike, as ``key`` says) in one collective: of their shards over their
+    group, or of ``group_pieces`` (each member's piece over its group of
+    ``reshard_after_forward=k`` ranks, :mod:`graphshard.api.eager_reshard`) over that group."""
+    return _PendingGather(reads, key, group_pieces)
 
 
 def gather_copies(reads: list[tuple[ShardedParam, UnshardSpec]]) -> list[torch.Tensor]:

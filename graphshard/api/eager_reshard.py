@@ -29,6 +29,9 @@ waited for at that bucket's first unpack.
   reduces into the shard as the forward's read would have.
 - ``reshard_after_forward=False`` keeps the copies for the backward, as before: no second
   gather, the memory of the unsharded model at the end of the forward.
+- ``reshard_after_forward=k``: a parameter's first handle also keeps this rank's piece of the
+  copy over its group of ``k`` ranks (``graphshard::take_group_piece``), let go with its
+  last handle; the backward gathers the pieces over that group, as the compiled step does.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 
 from graphshard.api.bucket_gathers import gather_copies, issue_gather, travels_as
 from graphshard.errors import GraphshardRuntimeError
-from graphshard.passes.markers import UNSHARD, GradSync, UnshardSpec
+from graphshard.passes.markers import TAKE_GROUP_PIECE, UNSHARD, GradSync, UnshardSpec
 from graphshard.records import ShardedParam, ShardState
 
 __all__ = ["begin", "end", "register_copy"]
@@ -79,6 +82,10 @@ class _Saved:
         self.copy: torch.Tensor | None = None  # the forward's copy, kept (the last bucket)
         live = state.resharded_live
         live[key] = live.get(key, 0) + 1
+        if spec.reshard_size > 1 and key not in state.group_pieces:
+            with torch.no_grad():  # reshard_after_forward=k: this rank's piece over its group
+                state.group_pieces[key] = TAKE_GROUP_PIECE(copy, spec.reshard_size,
+                                                           spec.reshard_group)
 
     def __del__(self) -> None:  # autograd let go of it: after its node ran, or unused
         _let_go(self.state, self.key)
@@ -93,6 +100,7 @@ def _let_go(state: ShardState, key: tuple[int, int]) -> None:
         return
     live.pop(key, None)
     state.regathered.pop(key, None)
+    state.group_pieces.pop(key, None)
 
 
 def begin(state: ShardState) -> bool:
@@ -243,7 +251,7 @@ def _gather_again(saved: _Saved) -> torch.Tensor:
         reads = _waiting(state, forward, bucket, key, saved.entry)
         if all(e is not saved.entry for e, _ in reads):
             return gather_copies([(saved.entry, saved.spec)])[0]
-        pending = issue_gather(reads, key)
+        pending = issue_gather(reads, key, _group_pieces(state, forward, reads))
     _prefetch_before(state, saved.saves, forward, bucket)
     for (e, _), full in zip(pending.reads, pending.copies(), strict=True):
         if e is saved.entry or (forward, id(e)) in state.resharded_live:
@@ -282,9 +290,21 @@ def _prefetch_before(state: ShardState, saves: _ForwardSaves, forward: int, buck
         if key is None:
             continue  # nothing of it waits
         if (forward, before, key) not in state.regather_pending:
+            reads = _waiting(state, forward, before, key)
             state.regather_pending[(forward, before, key)] = issue_gather(
-                _waiting(state, forward, before, key), key)
+                reads, key, _group_pieces(state, forward, reads))
         return
+
+
+def _group_pieces(state: ShardState, forward: int,
+                  reads: list[tuple[ShardedParam, UnshardSpec]]) -> list[torch.Tensor] | None:
+    """With ``reshard_after_forward=k``, the pieces ``forward`` kept of the members in
+    ``reads``, to gather over their group of ``k``; None to gather their shards (no group,
+    or a piece missing: the whole group then gathers, the same values)."""
+    if reads[0][1].reshard_size <= 1:
+        return None
+    pieces = [state.group_pieces.get((forward, id(e))) for e, _ in reads]
+    return None if any(p is None for p in pieces) else pieces
 
 
 def _clear(state: ShardState) -> None:

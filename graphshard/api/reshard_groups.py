@@ -5,8 +5,8 @@ forward each rank keeps ``1 / k`` of every parameter, and the backward all-gathe
 group of ``k`` ranks, a node's GPUs where ``k`` is the GPUs per node. graphshard splits each
 group the parameters are sharded over into consecutive runs of ``k`` of its ranks, as
 FSDP2's ``mesh.view(-1, k)`` does; the compiled graphs then keep and gather the pieces
-(:mod:`graphshard.passes.group_reshard`). Eagerly the model reshards fully, as with
-``True``, as ``"auto"`` does eagerly too.
+(:mod:`graphshard.passes.group_reshard`), and eagerly the saved-tensor hooks do
+(:mod:`graphshard.api.eager_reshard`).
 """
 
 from __future__ import annotations

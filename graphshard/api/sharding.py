@@ -471,7 +471,8 @@ def shard(
             (FSDP2's): each rank keeps ``1/k`` of each freed parameter and the backward
             gathers it again within its group of ``k`` consecutive ranks, a node's GPUs
             where ``k`` is their count (``1`` is ``False``, the rank count ``True``).
-            Uncompiled (eager), ``"auto"`` and an int run as ``True``.
+            Uncompiled (eager), ``"auto"`` runs as ``True``; an int keeps its pieces and
+            gathers over the groups eagerly too.
         mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
         offload: ``CPUOffload()`` keeps the shards (pinned by default), gradients and
