@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -58,9 +57,8 @@ def measure(model_name: str, sharded: bool, steps: int, rounds: int) -> dict:
     import graphshard
     from graphshard.models.llama import CONFIGS, Llama
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one rank: an in-process store, no port to collide with another run's
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         config = CONFIGS[model_name]
