@@ -71,11 +71,14 @@ class ShardState:
     group: dist.ProcessGroup  # the shard group: parameters are split across its ranks
     world_size: int  # ranks in the shard group
     rank: int  # this rank's index in the shard group
-    reshard_after_forward: bool | int | str  # True, False, "auto" or k (groups of k ranks)
+    # True, False, "auto" or k (groups of k ranks); per module: module name -> one of those
+    reshard_after_forward: bool | int | str | dict
     mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): where the DTensors live
     sync: int  # where this micro-batch's gradients go (a GradSync value)
     params: list[ShardedParam] = field(default_factory=list)
     bucket_names: list[str] = field(default_factory=list)
+    # each bucket's reshard_after_forward (True, False, "auto" or k), by index
+    reshard_of_bucket: list = field(default_factory=list)
     replica_group: dist.ProcessGroup | None = None  # HSDP: gradients are all-reduced over it
     replica_size: int = 1
     mixed_precision: MixedPrecision | None = None

@@ -149,8 +149,11 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         first_reads.setdefault(marker_args(node).name, node)
     free = list(first_reads.values())
     sizes = [_param_bytes(n) for n in free]
-    # One dtype per bucket (its shards share one flat buffer): the shard's and the gathered.
-    kinds = [(n.args[0].meta["val"].dtype, n.meta["val"].dtype) for n in free]
+    # One dtype per bucket (its shards share one flat buffer): the shard's and the gathered;
+    # and one reshard_after_forward (a bucket is kept or freed, and gathered again over one
+    # group, as a whole).
+    kinds = [(n.args[0].meta["val"].dtype, n.meta["val"].dtype, marker_args(n).reshard,
+              marker_args(n).reshard_group) for n in free]
     if plan.bucketing == "size":
         indices = pack_by_size(sizes, plan.bucket_bytes, kinds)
     else:

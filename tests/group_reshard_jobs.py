@@ -41,6 +41,15 @@ def _batch(name: str, step: int, rank: int) -> tuple:
     return _regression(torch.Generator().manual_seed(1000 * step + rank))
 
 
+# Per module (a dict): the first block kept from forward to backward, the second gathered
+# again over groups of 2, the rest (embedding, final norm, output) freed over all ranks.
+PER_MODULE = {"layers.0": False, "layers.1": 2}
+
+
+def _setting(reshard: bool | int | str) -> bool | int | dict:
+    return dict(PER_MODULE) if reshard == "per_module" else reshard
+
+
 def _gathers(backend, stage: str) -> list[int]:
     """The group size of every all-gather of ``stage`` in the graphs ``backend`` compiled."""
     return [node.args[1] for stages in backend.graphs if stage in stages
@@ -48,16 +57,17 @@ def _gathers(backend, stage: str) -> list[int]:
             if is_collective_start(node) and "all_gather" in str(node.target)]
 
 
-def train(rank: int, world_size: int, name: str, mode: str, reshard: bool | int,
+def train(rank: int, world_size: int, name: str, mode: str, reshard: bool | int | str,
           precision: str) -> dict:
-    """``name`` sharded with ``reshard_after_forward=reshard`` and trained ``STEPS`` steps
+    """``name`` sharded with ``reshard_after_forward=reshard`` (``"per_module"``:
+    :data:`PER_MODULE`) and trained ``STEPS`` steps
     (``mode``: "compiled" with Inductor, "lowered" with graphshard's passes and no Inductor,
     "lowered_last" also freeing the bucket read last, or "eager"); losses are the ranks'
     mean."""
     torch._dynamo.reset()
     policy = graphshard.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" \
         else None
-    model = graphshard.shard(_build(name), reshard_after_forward=reshard,
+    model = graphshard.shard(_build(name), reshard_after_forward=_setting(reshard),
                              mixed_precision=policy)
     backend = graphshard.backend(inductor=mode == "compiled",
                                  reshard_last_bucket=mode == "lowered_last")

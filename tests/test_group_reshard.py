@@ -38,6 +38,9 @@ JOBS = [
     ("odd_params", "lowered_last", 2, "fp32"),
     ("mlp_odd", "eager", 2, "fp32"),  # eagerly: the pieces kept by saved-tensor hooks
     ("llama_untied", "eager", 2, "fp32"),
+    # per module: a block kept, a block over groups of 2, the rest freed over all 4
+    ("llama_untied", "lowered", "per_module", "fp32"),
+    ("llama_untied", "eager", "per_module", "fp32"),
     ("llama_untied", "lowered", 2, "bf16"),
     ("llama_untied", "lowered", True, "bf16"),
 ]
@@ -141,6 +144,19 @@ def test_backward_gathers_over_groups_of_two(world4, job):
     for rank_results in world4:
         assert set(rank_results[job]["fw_gathers"]) == {4}
         assert set(rank_results[job]["bw_gathers"]) == {2}
+
+
+@pytest.mark.parametrize("mode", ["lowered", "eager"])
+def test_per_module_the_kept_block_is_not_gathered_again(world4, mode):
+    """``reshard_after_forward={"layers.0": False, "layers.1": 2}``: the backward gathers
+    the second block again over groups of 2 and never the first, where ``2`` for the whole
+    model gathers both (the embedding's backward reads no weight; the output, read last, is
+    kept either way)."""
+    for rank_results in world4:
+        per_module = rank_results[("llama_untied", mode, "per_module", "fp32")]
+        whole = rank_results[("llama_untied", mode, 2, "fp32")]
+        assert set(per_module["bw_gathers"]) == {2}
+        assert 2 * len(per_module["bw_gathers"]) == len(whole["bw_gathers"]) > 0
 
 
 def test_bf16_is_bit_identical_to_resharding_fully(world4):

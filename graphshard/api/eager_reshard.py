@@ -44,7 +44,13 @@ import torch
 
 from graphshard.api.bucket_gathers import gather_copies, issue_gather, travels_as
 from graphshard.errors import GraphshardRuntimeError
-from graphshard.passes.markers import TAKE_GROUP_PIECE, UNSHARD, GradSync, UnshardSpec
+from graphshard.passes.markers import (
+    RESHARD_KEEP,
+    TAKE_GROUP_PIECE,
+    UNSHARD,
+    GradSync,
+    UnshardSpec,
+)
 from graphshard.records import ShardedParam, ShardState
 
 __all__ = ["begin", "end", "register_copy"]
@@ -110,7 +116,8 @@ def begin(state: ShardState) -> bool:
         # the last backward that gathered again raised before its end, where what it
         # gathered (and the gather it issued ahead) would have gone: they go now
         _clear(state)
-    if (state.reshard_after_forward is False or not torch.is_grad_enabled()
+    if (all(setting is False for setting in state.reshard_of_bucket)
+            or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or not torch._C._autograd._saved_tensors_hooks_is_enabled()
             or torch._C._current_graph_task_id() != -1):
@@ -165,7 +172,8 @@ def _as_saved(state: ShardState, forward: int, saves: _ForwardSaves, t: torch.Te
     first, last = _extent(t)
     for ref, entry, spec in known:
         copy = ref()  # None: let go already, its memory may hold another tensor now
-        if (copy is None or copy.dtype != t.dtype or copy.device != t.device
+        if (spec.reshard == RESHARD_KEEP  # kept for the backward (per module, False)
+                or copy is None or copy.dtype != t.dtype or copy.device != t.device
                 or not copy.is_contiguous()):  # a copy gathered again is contiguous
             continue
         start, end = _extent(copy)

@@ -23,7 +23,7 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -51,7 +51,7 @@ from graphshard.api.offload import (
 from graphshard.api.optimizer_state import keep_scalar_states_replicated
 from graphshard.api.optimizer_steps import step_reducing_optimizers
 from graphshard.api.param_reads import install_reads, register_state
-from graphshard.api.reshard_groups import resolve_reshard
+from graphshard.api.reshard_settings import check_setting, resolve_settings, split_by_setting
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
@@ -343,14 +343,8 @@ def _check_shard_options(module: object, mesh: object, reshard_after_forward: ob
             f"shard) for HSDP) or None for the default process group, got {mesh!r} "
             f"({type(mesh).__name__})"
         )
-    if not isinstance(reshard_after_forward, (bool, int)) and reshard_after_forward != "auto":
-        raise GraphshardTypeError(
-            f"graphshard.shard() option reshard_after_forward must be True (free the gathered "
-            f"parameters after forward, ZeRO-3) or False (keep them for backward, ZeRO-2), "
-            f"an int k (keep 1/k of each, gathered again over groups of k ranks), or "
-            f"'auto' (the compiler chooses per bucket within backend(memory_budget=...)); got "
-            f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
-        )
+    if not isinstance(reshard_after_forward, Mapping):
+        check_setting(reshard_after_forward)
 
 
 def _check_divide_factor(factor: object) -> None:
@@ -433,7 +427,8 @@ def shard(
     mesh: DeviceMesh | None = None,
     *,
     buckets: Sequence[nn.Module | Sequence[nn.Module]] | None = None,
-    reshard_after_forward: bool | int | Literal["auto"] = True,
+    reshard_after_forward: bool | int | Literal["auto"]
+    | Mapping[nn.Module | str, bool | int | Literal["auto"]] = True,
     mixed_precision: MixedPrecision | None = None,
     offload: CPUOffload | None = None,
     compile_blocks_once: bool = True,
@@ -472,7 +467,12 @@ def shard(
             gathers it again within its group of ``k`` consecutive ranks, a node's GPUs
             where ``k`` is their count (``1`` is ``False``, the rank count ``True``).
             Uncompiled (eager), ``"auto"`` runs as ``True``; an int keeps its pieces and
-            gathers over the groups eagerly too.
+            gathers over the groups eagerly too. A dict sets it per module, as FSDP2's
+            ``fully_shard`` calls do: ``{model.layers[-1]: False, "output": 8}`` maps
+            submodules (or their names, ``""`` for the root) to one of the settings above; a
+            parameter takes its innermost key's, ``True`` where no key holds it, and a
+            bucket asked two settings becomes two buckets
+            (:mod:`graphshard.api.reshard_settings`).
         mixed_precision: gather and compute in ``param_dtype``, reduce gradients in
             ``reduce_dtype``; the shards (and so the optimizer state) keep their dtype.
         offload: ``CPUOffload()`` keeps the shards (pinned by default), gradients and
@@ -536,7 +536,8 @@ def shard(
         )
     group, replica_group = _resolve_groups(mesh)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    reshard_after_forward, reshard_group = resolve_reshard(reshard_after_forward, group)
+    # each parameter's setting (one for all, or per module) and for an int k its group
+    reshards = resolve_settings(module, reshard_after_forward, group)
     replica_size = 1 if replica_group is None else dist.get_world_size(replica_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         hint = ""
@@ -554,6 +555,9 @@ def shard(
     originals = guards.collect_originals(module)  # marked once replaced (graphshard.safety.guards)
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets),
                                               first_wins=buckets is None)
+    # one setting per bucket: a group asked to reshard in two ways becomes two buckets
+    bucket_of, bucket_names = split_by_setting(module, bucket_of, bucket_names,
+                                               reshards.setting_of)
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if device.type == "meta":  # the device to_empty will allocate on: the group's
@@ -562,8 +566,8 @@ def shard(
             mesh = DeviceMesh.from_group(group, device.type)
     compute_device, host = resolve_offload(mesh, offload)  # "", None without offload
     state = ShardState(
-        group, world_size, rank, reshard_after_forward, mesh, GradSync.FULL,
-        bucket_names=bucket_names,
+        group, world_size, rank, reshards.model_setting, mesh, GradSync.FULL,
+        bucket_names=bucket_names, reshard_of_bucket=reshards.of_buckets(bucket_of),
         replica_group=replica_group, replica_size=replica_size, mixed_precision=mixed_precision,
         offload=offload, compute_device=compute_device,
         gradient_divide_factor=(None if gradient_divide_factor is None
@@ -614,13 +618,15 @@ def shard(
             continue
         specs = {}
         for pname in dict.fromkeys(pnames):
-            entry = by_param[id(sub._parameters[pname])]
+            original = sub._parameters[pname]
+            entry = by_param[id(original)]
             sub._parameters[pname] = entry.param
+            setting, reshard_group = reshards.of_param(original)
             spec = UnshardSpec(
                 full_shape=list(entry.full_shape),
                 bucket=entry.bucket,
                 pinned=entry.pinned,
-                reshard=reshard_code(reshard_after_forward),
+                reshard=reshard_code(setting),
                 name=entry.names[0],
                 world_size=world_size,
                 group_name=state.group_name,
