@@ -111,6 +111,21 @@ def test_hsdp_gathers_within_runs_of_its_shard_groups():
         4, 4, 4]
 
 
+def test_eagerly_the_bucket_kept_whole_keeps_no_pieces(fake4):
+    """The head, saved last, keeps its gathered copy for the backward: a piece of it as
+    well would be memory held for nothing."""
+    from graphshard.api.sharding import shard_state
+
+    model = graphshard.shard(TwoBlock(), reshard_after_forward=2)
+    state = shard_state(model)
+    out = model(torch.randn(4, 8))
+    name_of = {id(entry): entry.names[0] for entry in state.params}
+    assert sorted(name_of[key[1]] for key in state.group_pieces) == [
+        "blocks.0.down.weight", "blocks.1.down.weight", "blocks.1.up.weight"]
+    out.sum().backward()
+    assert not state.group_pieces  # let go with their last handles
+
+
 @pytest.mark.parametrize("reshard,bw_gathers", [(1, 0), (4, 2)])
 def test_one_and_the_world_read_as_false_and_true(fake4, reshard, bw_gathers):
     model = graphshard.shard(TwoBlock(), reshard_after_forward=reshard)

@@ -32,6 +32,7 @@ waited for at that bucket's first unpack.
 - ``reshard_after_forward=k``: a parameter's first handle also keeps this rank's piece of the
   copy over its group of ``k`` ranks (``graphshard::take_group_piece``), let go with its
   last handle; the backward gathers the pieces over that group, as the compiled step does.
+  The bucket saved last, kept whole, lets its pieces go at the end of the forward.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def end(state: ShardState) -> None:
     """At the end of a forward :func:`begin` put the hooks in place for."""
     torch._C._autograd._pop_saved_tensors_default_hooks()
     state.reshard_copies = None
+    for handle in state.reshard_kept:  # kept whole: their pieces over a group are not needed
+        state.group_pieces.pop(handle.key, None)
     state.reshard_kept = []  # the last bucket's handles keep their copies, autograd the handles
 
 
