@@ -24,6 +24,8 @@ __all__ = [
     "TAKE_PREFETCHED",
     "ALL_GATHER_SINGLE",
     "TAKE_GROUP_PIECE",
+    "PREFETCH_BY_STEP",
+    "PREFETCH_BY_BREAK",
     "is_unshard",
     "is_reduce_grad",
     "is_collective_start",
@@ -84,10 +86,13 @@ _lib.define(
 # its kernel (``graphshard.api.step_prefetch``) takes the prefetched one when every rank's
 # ``flat`` still equals what it sent, else gathers anew. The first of a graph's leading
 # gathers also gets the others' inputs and keys (``peers``, ``peer_keys``), so the ranks
-# agree on all of them at once.
+# agree on all of them at once. ``sources``: who may have issued it, a sum of
+# ``PREFETCH_BY_STEP`` (the optimizer step, ``Plan.step_prefetch``) and ``PREFETCH_BY_BREAK``
+# (the end of the previous forward graph, ``Plan.break_prefetch``).
 _lib.define(
     "take_prefetched(Tensor flat, int group_size, str group_name, *, Tensor[] shards, "
-    "int[] piece_numels, str key, str lead, Tensor[] peers, str[] peer_keys) -> Tensor"
+    "int[] piece_numels, str key, str lead, Tensor[] peers, str[] peer_keys, "
+    "int sources=1) -> Tensor"
 )
 # An all-gather on a gloo group (``graphshard.passes.gloo_gathers``): the arguments and result
 # of ``_c10d_functional.all_gather_into_tensor``, completed by the same ``wait_tensor``, but
@@ -138,6 +143,9 @@ def reshard_code(reshard_after_forward: bool | int | str) -> int:
 
 UNSHARD = torch.ops.graphshard.unshard.default
 REDUCE_GRAD = torch.ops.graphshard.reduce_grad.default
+PREFETCH_BY_STEP = 1  # take_prefetched's sources: the optimizer step may have issued it
+PREFETCH_BY_BREAK = 2  # the end of the forward graph before a graph break may have
+
 TAKE_PREFETCHED = torch.ops.graphshard.take_prefetched.default
 ALL_GATHER_SINGLE = torch.ops.graphshard.all_gather_single.default
 TAKE_GROUP_PIECE = torch.ops.graphshard.take_group_piece.default

@@ -94,6 +94,14 @@ class Plan:
             (the rest of the optimizer step is too short to hide the gathers), it costs one
             small all-reduce per forward (on a GPU also a host synchronisation), and it has
             not been measured on a GPU.
+        break_prefetch: across a graph break, let the end of a compiled forward gather
+            the buckets the next forward graph starts with (the gathers it issues before its
+            first wait), so they run under the eager code between the two graphs instead of
+            being exposed at the second one's start
+            (:mod:`graphshard.api.break_prefetch`). The graph taking them checks this rank's
+            shards unchanged since (by their version counters, no collective and no host
+            synchronisation). Forward only: the backward's graphs still start with their own
+            gathers. Off by default: not measured on a GPU.
         split_last_reduce: reduce the gradients of the backward's last buckets that are
             ready early (a root bucket's output layer, a first block's feed-forward) in a
             reduce-scatter of their own, issued when they are ready, where the cost model
@@ -162,6 +170,7 @@ class Plan:
     profile: str | HardwareProfile = "cpu-gloo"
     reshard_last_bucket: bool = False
     step_prefetch: bool = False
+    break_prefetch: bool = False
     split_last_reduce: bool = True
     reduce_scatter_via: str = "auto"
     memory_budget: int | str | None = None
@@ -178,7 +187,7 @@ class Plan:
                        "a byte count such as 2 * 2**30, or None for no cap")
         _check_choice("bucketing", self.bucketing, BUCKETING)
         _check_int("bucket_bytes", self.bucket_bytes, 1, self, "a byte count such as 25 * 2**20")
-        for name in ("reshard_last_bucket", "step_prefetch", "split_last_reduce",
+        for name in ("reshard_last_bucket", "step_prefetch", "break_prefetch", "split_last_reduce",
                      "gather_from_storage", "grad_copy_stream", "shard_copy_stream"):
             _check_bool(name, getattr(self, name))
         _check_choice("reduce_scatter_via", self.reduce_scatter_via, REDUCE_SCATTER_VIA)

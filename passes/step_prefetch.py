@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from graphshard.passes.fx_util import ancestors_after, aten, c10d, graph_order, move_before, prims
-from graphshard.passes.markers import TAKE_PREFETCHED
+from graphshard.passes.markers import PREFETCH_BY_BREAK, PREFETCH_BY_STEP, TAKE_PREFETCHED
 from graphshard.passes.plan import Plan
 
 __all__ = ["step_prefetch", "leading_gathers"]
@@ -84,8 +84,10 @@ def _pieces(gather: fx.Node) -> list[tuple[fx.Node, int]] | None:
 
 def step_prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Turn the forward's leading all-gathers into ``take_prefetched`` (the all-gather, which
-    the optimizer step may have issued already)."""
-    if not plan.step_prefetch:
+    the optimizer step, or with ``plan.break_prefetch`` the end of the forward graph before a
+    graph break, may have issued already)."""
+    sources = (PREFETCH_BY_STEP * plan.step_prefetch) + (PREFETCH_BY_BREAK * plan.break_prefetch)
+    if not sources:
         return gm
     bound = []
     for gather in leading_gathers(gm.graph):
@@ -105,6 +107,7 @@ def step_prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             "lead": lead,
             "peers": [peer.args[0] for peer, _, _ in peers],
             "peer_keys": [peer_key for _, _, peer_key in peers],
+            "sources": sources,
         }
     if len(bound) > 1:  # the others' inputs (casts and pads of shards) before the first
         first = bound[0][0]

@@ -43,6 +43,8 @@ from torch.optim.optimizer import (
 )
 
 from graphshard.api.local_inputs import same_view
+from graphshard.errors import GraphshardRuntimeError
+from graphshard.passes.markers import PREFETCH_BY_BREAK, PREFETCH_BY_STEP
 from graphshard.records import ShardedParam, ShardState
 from graphshard.safety.gloo_gather import all_gather, all_gather_single
 
@@ -104,6 +106,9 @@ class _Slot:
     gathered: torch.Tensor
     work: Any
     verdict: bool | None = None
+    # issued at the end of a forward graph (graphshard.api.break_prefetch): what tells
+    # that a shard it was built from changed since, per shard; None: issued by a step
+    versions: list[tuple[int, int]] | None = None
 
 
 _STATES: dict[int, weakref.ref[ShardState]] = {}
@@ -115,6 +120,10 @@ _LEAD: dict[int, str] = {}  # id(state) -> the lead of the first forward after a
 _AFTER_STEP: set[int] = set()  # id(state) of models whose next forward sets _LEAD
 _ORPHANS: list[_Slot] = []  # gathers of collected models, waited at the next safe point
 _SETTLED: dict[str, _Slot] = {}  # key -> slot settled by its graph's first leading gather
+# (id(state), lead) of the last graph whose leading gathers may come from the forward graph
+# before it (PREFETCH_BY_BREAK): read and reset by graphshard.api.break_prefetch around
+# each forward graph it runs
+last_break_lead: tuple[int, str] | None = None
 
 
 def track(state: ShardState) -> None:
@@ -236,10 +245,13 @@ def _find_slot(sid: int | None, key: str) -> _Slot | None:
 def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
                      shards: list[torch.Tensor], piece_numels: list[int], key: str,
                      lead: str, peers: list[torch.Tensor],
-                     peer_keys: list[str]) -> torch.Tensor:
+                     peer_keys: list[str], sources: int = PREFETCH_BY_STEP) -> torch.Tensor:
     """The all-gather of ``flat``: the buffer the optimizer step gathered if every rank's
     ``flat`` equals what it sent, else a new gather (completed by the graph's wait). The
-    first of a graph's leading gathers settles its ``peers`` too, in the same all-reduce."""
+    first of a graph's leading gathers settles its ``peers`` too, in the same all-reduce.
+    A buffer the previous forward graph gathered (``sources`` with ``PREFETCH_BY_BREAK``) is
+    taken if this rank's shards are unchanged since, by their version counters."""
+    global last_break_lead
     _install_hooks()
     _drain_orphans()
     located = [_locate(shard) for shard in shards]
@@ -251,9 +263,11 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
             weakref.ref(state), [index for _, index in located], list(piece_numels),
             flat.dtype, group_size, group_name, lead,
         )  # fmt: skip
-        if sid in _AFTER_STEP:  # the first forward since a step: its lead is what to prefetch
-            _AFTER_STEP.discard(sid)
-            _LEAD[sid] = lead
+        if sid in _AFTER_STEP and sources & PREFETCH_BY_STEP:
+            _AFTER_STEP.discard(sid)  # the first forward since a step: its lead is what to
+            _LEAD[sid] = lead  # prefetch
+        if sources & PREFETCH_BY_BREAK and last_break_lead is None:
+            last_break_lead = (sid, lead)
     slot = _SETTLED.pop(key, None)  # settled by this graph's first leading gather
     if slot is None:
         _drop_settled()  # what a graph that stopped early left settled held only for it
@@ -261,6 +275,8 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
     if slot is None:  # nothing prefetched, on every rank (the same steps issued the same)
         _STATS["fresh"] += 1
         return _gather(flat, group_size, group_name)
+    if slot.verdict is None and slot.versions is not None:  # the previous graph's gather
+        slot.verdict = _unchanged(slot, located)
     if slot.verdict is None:  # settle it, and this graph's other leading gathers with it
         others = [_find_slot(sid, k) for k in peer_keys]
         oks = [_same_bits(slot.sent, flat)] + [
@@ -281,6 +297,28 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
     return _gather(flat, group_size, group_name)
 
 
+def _unchanged(slot: _Slot, located: list[tuple[ShardState, int] | None]) -> bool:
+    """Whether the shards a gather issued at the end of the previous forward graph was built
+    from are unchanged since. Inside one forward nothing updates a shard (graphshard refuses
+    an update of a parameter there), so a change is a rank doing what the others may not:
+    raised on that rank rather than taking stale values or gathering alone."""
+    now = [_version_of(state.params[index]) for state, index in located]
+    if now == slot.versions:
+        return True
+    _drain(slot)
+    raise GraphshardRuntimeError(
+        "graphshard: a parameter's local shard changed between two graphs of one forward "
+        "(across a graph break) after graphshard.backend(break_prefetch=True) had gathered "
+        "it for the second graph. Update parameters outside the forward (after the "
+        "backward, as an optimizer does), or turn break_prefetch off.")
+
+
+def _version_of(entry: ShardedParam) -> tuple[int, int]:
+    """What tells that ``entry``'s local shard changed: its object and version counter."""
+    local = entry.param._local_tensor
+    return id(local), local._version
+
+
 def _drop_settled() -> None:
     """Forget verdicts a graph did not use: they held only for its inputs."""
     for slot in _SETTLED.values():
@@ -294,8 +332,10 @@ torch.library.register_kernel("graphshard::take_prefetched", None, _take_prefetc
 # --------------------------------------------------------------------------- the step
 
 
-def _issue(recipes: list[tuple[tuple[int, str], _Recipe]]) -> None:
-    """All-gather each recipe's input, rebuilt from the shards as they are now."""
+def _issue(recipes: list[tuple[tuple[int, str], _Recipe]], *, versioned: bool = False
+           ) -> None:
+    """All-gather each recipe's input, rebuilt from the shards as they are now
+    (``versioned``: for the next forward graph, recording the shards' versions)."""
     _drain_orphans()
     _drop_settled()
     for key, recipe in recipes:
@@ -315,7 +355,8 @@ def _issue(recipes: list[tuple[tuple[int, str], _Recipe]]) -> None:
         gathered = sent.new_empty(recipe.group_size * sent.numel())
         work = all_gather_single(gathered, sent, _resolve_process_group(
             recipe.group_name), async_op=True)
-        _SLOTS[key] = _Slot(sent, gathered, work)
+        versions = [_version_of(entry) for entry in entries] if versioned else None
+        _SLOTS[key] = _Slot(sent, gathered, work, versions=versions)
         _STATS["issued"] += 1
 
 

@@ -23,7 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from graphshard.analysis.report import write_schedule
-from graphshard.api import eager_kernels, step_prefetch  # noqa: F401  (registers kernels)
+from graphshard.api import break_prefetch, eager_kernels, step_prefetch  # noqa: F401 (kernels)
 from graphshard.compiler.cache_key import (
     aot_cache_unsupported,
     aot_cacheable,
@@ -219,7 +219,8 @@ class GraphshardBackend:
             torch 2.11, whose cache refuses graphs that call ``DTensor.to_local()``.
         **plan_options: the fields of :class:`graphshard.passes.Plan` (``prefetch_depth``,
             ``max_unsharded_bytes``, ``bucketing``, ``bucket_bytes``, ``profile``,
-            ``reshard_last_bucket``, ``step_prefetch``, ``split_last_reduce``,
+            ``reshard_last_bucket``, ``step_prefetch``, ``break_prefetch``,
+            ``split_last_reduce``,
             ``reduce_scatter_via``, ``memory_budget``, ``all_gather_via``,
             ``gather_from_storage``, ``grad_copy_stream``, ``shard_copy_stream``).
 
@@ -372,7 +373,9 @@ class GraphshardBackend:
                 untraced.trace()  # the dumps, or a graph break's warning, need them now
             else:
                 self._untraced.append(untraced)
-        TRACKER.graph_compiled(gm, stages, self.plan.profile)
+        TRACKER.graph_compiled(gm, stages, self.plan.profile, self.plan.break_prefetch)
+        if self.plan.break_prefetch:  # its end gathers what the graph after a break starts with
+            compiled = break_prefetch.run_forward(compiled)
         return compiled
 
     def _run_stage(self, stage: str, graph: fx.GraphModule, stages: dict[str, fx.GraphModule],

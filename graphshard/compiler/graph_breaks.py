@@ -155,10 +155,12 @@ def break_cost(
     return cost
 
 
-def _message(brk: _Break, cost: BreakCost, profile: HardwareProfile) -> str:
+def _message(brk: _Break, cost: BreakCost, profile: HardwareProfile,
+             break_prefetch: bool = False) -> str:
+    ahead = " unless break_prefetch, which issues it at the end of the graph before, took it"
     parts = [
         f"forward: +1 exposed all-gather ({cost.gather_bytes:,} bytes, "
-        f"{cost.gather_s * 1e3:.3f} ms)"
+        f"{cost.gather_s * 1e3:.3f} ms{ahead if break_prefetch else ''})"
     ]
     if cost.reduce_bytes:
         parts.append(
@@ -180,7 +182,10 @@ def _message(brk: _Break, cost: BreakCost, profile: HardwareProfile) -> str:
         f"Cost per step ({profile.name} profile): " + "; ".join(parts) + ". Predicted extra "
         f"exposed communication: {cost.exposed_s * 1e3:.3f} ms per step. Remove the break "
         "(the reason says how, or see torch._dynamo.explain / TORCH_LOGS=graph_breaks) or move "
-        "it before the first or after the last parameter use."
+        "it before the first or after the last parameter use"
+        + ("." if break_prefetch else ", or pass graphshard.backend(break_prefetch=True) to "
+           "gather the forward's first buckets after the break at the end of the graph "
+           "before it.")
     )
 
 
@@ -197,7 +202,8 @@ class GraphBreakTracker:
         return self.pending is not None or bool(getattr(reason, "graph_break", False))
 
     def graph_compiled(
-        self, gm: fx.GraphModule, stages: dict[str, fx.GraphModule], profile: HardwareProfile
+        self, gm: fx.GraphModule, stages: dict[str, fx.GraphModule], profile: HardwareProfile,
+        break_prefetch: bool = False,
     ) -> BreakCost | None:
         """Called once per compiled Dynamo graph (``gm``) after its forward is compiled.
 
@@ -211,7 +217,8 @@ class GraphBreakTracker:
         cost = None
         if self.pending is not None and gathered:
             cost = break_cost(self.pending.gathered, stages, profile)
-            message, frame = _message(self.pending, cost, profile), self.pending.frame
+            message = _message(self.pending, cost, profile, break_prefetch)
+            frame = self.pending.frame
             if frame is not None and frame.lineno is not None:  # attributed to the user's line
                 warnings.warn_explicit(message, GraphBreakWarning, frame.filename, frame.lineno)
             else:
