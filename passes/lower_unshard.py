@@ -13,8 +13,9 @@ gathered. The copies are inputs of the gather, so ``prefetch`` moves them with i
 
 Where ``shard()`` laid a bucket's shards out in one flat, padded buffer and the markers hand
 it over, the gather reads that buffer and nothing is copied in
-(:mod:`graphshard.passes.bucket_storage`; not with ``step_prefetch``, whose optimizer step
-builds the buffers it gathers, nor with ``plan.gather_from_storage`` off).
+(:mod:`graphshard.passes.bucket_storage`; not with ``step_prefetch`` or ``break_prefetch``,
+where the optimizer step or the graph before a break builds the buffers it gathers, nor with
+``plan.gather_from_storage`` off).
 
 With ``plan.all_gather_via == "coalesced"`` a bucket of several parameters is gathered by one
 coalesced all-gather instead: each shard (padded or cast only where it must be) goes in as
@@ -54,10 +55,13 @@ __all__ = ["lower_unshard"]
 def lower_unshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace every bucket's ``unshard`` markers with one all-gather, its wait and views."""
     make = NodeMaker(gm.graph)
-    coalesced = plan.all_gather_via == "coalesced" and not plan.step_prefetch
+    # a gather the step or the graph before a break may issue is rebuilt from its shards
+    # there: one flat buffer of their pieces, built as that code builds it
+    prefetched = plan.step_prefetch or plan.break_prefetch
+    coalesced = plan.all_gather_via == "coalesced" and not prefetched
     for bucket in collect_buckets(gm.graph, is_unshard):
         _lower_bucket(gm.graph, make, bucket, coalesced,
-                      plan.gather_from_storage and not plan.step_prefetch)
+                      plan.gather_from_storage and not prefetched)
     return gm
 
 

@@ -11,9 +11,12 @@ import pytest
 import torch
 from break_prefetch_jobs import EDIT_STEP, STEPS, reference, run_jobs
 from dist_utils import run_ranks
+from graph_utils import TwoBlock, calls
 from parity import assert_matches
 
-from graphshard.passes.markers import PREFETCH_BY_BREAK
+import graphshard
+from graphshard.compiler.graph_breaks import GraphBreakWarning
+from graphshard.passes.markers import PREFETCH_BY_BREAK, TAKE_PREFETCHED
 
 ON, OFF = (True, "lowered", "plain"), (False, "lowered", "plain")
 INDUCTOR = (True, "inductor", "plain")
@@ -77,3 +80,41 @@ def test_a_shard_changed_between_the_graphs_raises(world2):
         assert "changed between two graphs of one forward" in result["error"]
         assert "break_prefetch" in result["error"]
         assert result["left"] == 0
+
+
+class Breaks(TwoBlock):
+    """A graph break between the blocks: the second graph starts with block 1's bucket."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        return self.head(x)
+
+
+def test_a_bucket_of_several_parameters_is_bound_and_taken(fake2):
+    """Block 1's bucket (four parameters, gathered from one flat buffer of their pieces)
+    and the head's, gathered before block 1 computes, lead the second graph: bound for a
+    break, issued at the first graph's end from the second step on, taken there."""
+    from graphshard.api import step_prefetch
+
+    backend = graphshard.backend(inductor=False, break_prefetch=True)
+    model = graphshard.shard(Breaks())
+    run = torch.compile(model, backend=backend)
+    step_prefetch.reset_stats()
+    with pytest.warns(GraphBreakWarning, match="unless break_prefetch, which issues it at"):
+        for _ in range(3):
+            run(torch.randn(4, 8)).sum().backward()
+    first, second = (calls(stages["fw"], TAKE_PREFETCHED) for stages in backend.graphs)
+    assert len(first) == 1 and len(second) == 2
+    assert {take.kwargs["sources"] for take in first + second} == {PREFETCH_BY_BREAK}
+    for take, module in zip(second, (model.blocks[1], model.head), strict=True):
+        assert [s.meta["val"].shape for s in take.kwargs["shards"]] == [
+            p.to_local().shape for p in module.parameters()]
+    assert step_prefetch.stats()["taken"] == step_prefetch.stats()["issued"] == 2 * 2
+
+
+def test_the_warning_of_a_break_suggests_it(fake2):
+    model = graphshard.shard(Breaks())
+    with pytest.warns(GraphBreakWarning, match=r"or pass graphshard.backend\(break_prefetch="):
+        torch.compile(model, backend=graphshard.backend(inductor=False))(torch.randn(4, 8))
