@@ -178,6 +178,17 @@ class TwoBlock(nn.Module):
         return self.head(x)
 
 
+class Breaks(TwoBlock):
+    """``TwoBlock`` with a graph break between its blocks: two graphs, the second starting
+    with block 1's bucket."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        return self.head(x)
+
+
 def sharded_with_grads(build, mesh=None, scale: float = 1.0) -> nn.Module:
     """``build()``'s model from seed 0, sharded over ``mesh``, with the same gradients at
     every call (seeded, times ``scale``), each on its parameter's placements."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from break_prefetch_jobs import EDIT_STEP, STEPS, reference, run_jobs
 from dist_utils import run_ranks
-from graph_utils import TwoBlock, calls
+from graph_utils import Breaks, calls
 from parity import assert_matches
 
 import graphshard
@@ -80,16 +80,6 @@ def test_a_shard_changed_between_the_graphs_raises(world2):
         assert "changed between two graphs of one forward" in result["error"]
         assert "break_prefetch" in result["error"]
         assert result["left"] == 0
-
-
-class Breaks(TwoBlock):
-    """A graph break between the blocks: the second graph starts with block 1's bucket."""
-
-    def forward(self, x):
-        x = self.blocks[0](x)
-        torch._dynamo.graph_break()
-        x = self.blocks[1](x)
-        return self.head(x)
 
 
 def test_a_bucket_of_several_parameters_is_bound_and_taken(fake2):

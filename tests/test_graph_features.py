@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from graph_utils import TwoBlock, c10d, calls
+from graph_utils import Breaks, TwoBlock, c10d, calls
 from torch import nn
 
 import graphshard
@@ -42,14 +42,6 @@ def test_frozen_parameters_are_gathered_but_never_reduced(fake2):
     rs_numel = sum(rs.args[0].meta["val"].numel() for rs in calls(stages["bw"], RS))
     assert rs_numel == 2 * sum(Dim0Layout(p.shape, 2).piece_numel for p in trainable)
     assert dict(model.named_parameters())["blocks.0.up.weight"].grad is None
-
-
-class Breaks(TwoBlock):
-    def forward(self, x):
-        x = self.blocks[0](x)
-        torch._dynamo.graph_break()
-        x = self.blocks[1](x)
-        return self.head(x)
 
 
 def test_each_graph_of_a_graph_break_gathers_only_what_it_uses(fake2):
