@@ -34,15 +34,16 @@ def _piece(world: int, weights: int = 1) -> int:
 
 
 def _gathers(gm) -> list[tuple[int, int]]:
-    """(group size, elements this rank sends) of each all-gather of ``gm``."""
-    return [(g.args[1], g.args[0].meta["val"].numel()) for g in calls(gm, GATHER)]
+    """(group size, elements this rank sends) of each all-gather of ``gm``, sorted (the
+    order the scheduler leaves them in differs between torch releases)."""
+    return sorted((g.args[1], g.args[0].meta["val"].numel()) for g in calls(gm, GATHER))
 
 
 def test_a_block_kept_is_not_gathered_in_the_backward(fake4):
     whole = compile_and_step(graphshard.shard(TwoBlock()))
     # both blocks again (block 0: its down projection only; its input needs no gradient);
     # the head, read last, is kept either way
-    assert _gathers(whole["bw"]) == [(4, _piece(4, 2)), (4, _piece(4))]
+    assert _gathers(whole["bw"]) == sorted([(4, _piece(4, 2)), (4, _piece(4))])
     model = TwoBlock()
     stages = compile_and_step(graphshard.shard(model, reshard_after_forward={
         model.blocks[0]: False}))
@@ -60,7 +61,7 @@ def test_a_bucket_asked_two_settings_becomes_two(fake4):
     assert [size for size, _ in _gathers(stages["fw"])] == [4, 4, 4, 4]
     # block 1's down projection over all 4, its up projection over the group of 2 (from
     # the piece the forward kept), block 0's down projection over all 4
-    assert _gathers(stages["bw"]) == [(4, _piece(4)), (2, _piece(2)), (4, _piece(4))]
+    assert _gathers(stages["bw"]) == sorted([(4, _piece(4)), (2, _piece(2)), (4, _piece(4))])
 
 
 @pytest.mark.parametrize("setting,head", [
