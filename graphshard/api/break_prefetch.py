@@ -17,11 +17,14 @@ backend compiles runs through :func:`run_forward`:
    and records which graph it leads, so that step 1 knows it from then on.
 
 Inside one forward nothing may update a shard (graphshard refuses an update of a parameter
-there), so a changed shard raises on that rank instead of taking stale values. A gather is
+there), so a changed shard raises on that rank instead of taking stale values. (The graph
+that follows the last one of a forward is the next forward's first: prefetched when two
+training forwards run with no backward or optimizer step between them, where an update of
+the parameters raises the same way.) A gather is
 issued only for the graph that followed last time; if another follows (data-dependent
 control flow), the gather is left, and dropped with the others at the start of the backward
 (a hook on the first output that needs a gradient) or of an optimizer step: so a prefetched
-buffer never outlives its forward, and never crosses an update of the parameters. The first
+buffer never crosses a backward or an update of the parameters. The first
 forward issues nothing (nothing learnt yet); every rank learns the same order, since every
 rank runs the same graphs. Forwards without gradients (evaluation under ``no_grad``) are
 left alone: their graphs bind no gather, and they neither learn nor issue.

@@ -299,18 +299,24 @@ def _take_prefetched(flat: torch.Tensor, group_size: int, group_name: str, *,
 
 def _unchanged(slot: _Slot, located: list[tuple[ShardState, int] | None]) -> bool:
     """Whether the shards a gather issued at the end of the previous forward graph was built
-    from are unchanged since. Inside one forward nothing updates a shard (graphshard refuses
-    an update of a parameter there), so a change is a rank doing what the others may not:
-    raised on that rank rather than taking stale values or gathering alone."""
+    from are unchanged since. Between two graphs of one forward nothing updates a shard
+    (graphshard refuses an update of a parameter there), and between two forwards with no
+    backward or optimizer step between, nothing normally does: a change there is raised on
+    that rank rather than taking stale values or gathering alone."""
     now = [_version_of(state.params[index]) for state, index in located]
     if now == slot.versions:
         return True
     _drain(slot)
+    changed = next(state.params[index].names[0]
+                   for (state, index), was, is_ in zip(located, slot.versions, now, strict=True)
+                   if was != is_)
     raise GraphshardRuntimeError(
-        "graphshard: a parameter's local shard changed between two graphs of one forward "
-        "(across a graph break) after graphshard.backend(break_prefetch=True) had gathered "
-        "it for the second graph. Update parameters outside the forward (after the "
-        "backward, as an optimizer does), or turn break_prefetch off.")
+        f"graphshard: the local shard of parameter {changed!r} changed after "
+        f"graphshard.backend(break_prefetch=True) gathered it at the end of the forward graph "
+        f"before (across a graph break, or at the end of the previous forward, with no "
+        f"backward or optimizer step since). The ranks must agree on the shards there, and "
+        f"no collective checks it. Update parameters after a backward or in an optimizer "
+        f"step, or turn break_prefetch off.")
 
 
 def _version_of(entry: ShardedParam) -> tuple[int, int]:
