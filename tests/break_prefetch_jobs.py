@@ -48,10 +48,12 @@ def batch(step: int, rank: int) -> torch.Tensor:
 def train(rank: int, world_size: int, feature: bool, mode: str, scenario: str) -> dict:
     """``mode``: "inductor" or "lowered" (graphshard's passes, no Inductor). ``scenario``:
     "plain" (forward, backward, step), "eval" (and an evaluation forward under ``no_grad``
-    after each step) or "edit" (see :func:`build`)."""
+    after each step), "edit" (see :func:`build`) or "with_step" (``step_prefetch`` on too:
+    the first graph's leading gathers come from the optimizer step)."""
     torch._dynamo.reset()
     model = graphshard.shard(build(edit=scenario == "edit"))
-    backend = graphshard.backend(break_prefetch=feature, inductor=mode == "inductor")
+    backend = graphshard.backend(break_prefetch=feature, inductor=mode == "inductor",
+                                 step_prefetch=scenario == "with_step")
     run = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step_prefetch.reset_stats()

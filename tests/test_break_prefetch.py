@@ -16,13 +16,14 @@ from parity import assert_matches
 
 import graphshard
 from graphshard.compiler.graph_breaks import GraphBreakWarning
-from graphshard.passes.markers import PREFETCH_BY_BREAK, TAKE_PREFETCHED
+from graphshard.passes.markers import PREFETCH_BY_BREAK, PREFETCH_BY_STEP, TAKE_PREFETCHED
 
 ON, OFF = (True, "lowered", "plain"), (False, "lowered", "plain")
 INDUCTOR = (True, "inductor", "plain")
 EVAL = (True, "lowered", "eval")
 EDIT = (True, "lowered", "edit")
-JOBS = [ON, OFF, INDUCTOR, EVAL, EDIT]
+WITH_STEP = (True, "lowered", "with_step")
+JOBS = [ON, OFF, INDUCTOR, EVAL, EDIT, WITH_STEP]
 LED = 2  # graphs that follow a break and start by gathering (the norm's, the output's)
 
 
@@ -31,7 +32,8 @@ def world2():
     return run_ranks(run_jobs, 2, JOBS)
 
 
-@pytest.mark.parametrize("job", [ON, OFF, INDUCTOR, EVAL], ids=lambda j: "-".join(map(str, j)))
+@pytest.mark.parametrize("job", [ON, OFF, INDUCTOR, EVAL, WITH_STEP],
+                         ids=lambda j: "-".join(map(str, j)))
 def test_trains_like_one_process(world2, job):
     expected = reference(2)
     for rank in world2:
@@ -71,6 +73,27 @@ def test_an_evaluation_forward_between_steps_changes_nothing(world2):
     for rank in world2:
         assert rank[EVAL]["stats"] == rank[ON]["stats"]
         assert rank[EVAL]["left"] == 0
+
+
+def test_with_step_prefetch_the_step_gathers_the_first_graphs_buckets(world2):
+    """Both options: the optimizer step issues the first graph's leading gathers (checked
+    by the ranks together), the end of each graph the next one's; all are taken, and the
+    numbers are those of both off, bit for bit."""
+    for rank in world2:
+        result = rank[WITH_STEP]
+        first, *after = [set(b) for b in result["bound"]]
+        assert first == {PREFETCH_BY_BREAK | PREFETCH_BY_STEP}
+        assert after == [{PREFETCH_BY_BREAK | PREFETCH_BY_STEP}] * LED
+        stats = result["stats"]
+        led_first = len(result["bound"][0])
+        assert stats["taken"] == (LED + led_first) * (STEPS - 1)
+        # every step issues the first graph's (the last one's are never taken)
+        assert stats["issued"] == LED * (STEPS - 1) + led_first * STEPS
+        assert stats["stale"] == 0 and stats["split_steps"] == STEPS
+        assert result["seen_pending"] == [0] + [1] * (STEPS - 1)
+        assert result["losses"] == rank[OFF]["losses"]
+        for key, value in rank[OFF]["state"].items():
+            assert torch.equal(result["state"][key], value), key
 
 
 def test_a_shard_changed_between_the_graphs_raises(world2):
