@@ -502,6 +502,9 @@ def shard(
     Raises:
         GraphshardTypeError: an argument of the wrong type (``reshard_after_forward="no"``,
             a mesh that is not a ``DeviceMesh``, ``buckets`` that is not a list of groups).
+        GraphshardValueError: an int ``reshard_after_forward`` that does not divide the
+            ranks; a per-module key that is not a submodule, holds no parameters or is given
+            two settings.
         GraphshardRuntimeError: ``module`` (or a submodule of it, or a model it is part of)
             was sharded already: shard once, on the root, and name groups with ``buckets=``.
         GraphshardNotImplementedError: a complex parameter (store its
