@@ -10,7 +10,7 @@ backend compiles runs through :func:`run_forward`:
 
 1. after a graph's forward returns, the graph that followed it last time (learnt in step 2)
    has its leading gathers issued, async, rebuilt from the shards as they are now
-   (:func:`graphshard.api.step_prefetch._issue`, with the shards' version counters);
+   (:func:`graphshard.api.step_prefetch.issue_lead`, with the shards' version counters);
    they run while the eager code between the graphs does;
 2. the next graph's ``take_prefetched`` takes them when this rank's shards are unchanged
    since (the same tensors at the same versions: no collective, no host synchronisation),
@@ -71,10 +71,7 @@ def run_forward(compiled: Callable[..., Any]) -> Callable[..., Any]:
         _drop_at_backward(outputs)
         follows = _NEXT.get(token)
         if follows is not None:
-            due = [(key, recipe) for key, recipe in step_prefetch._RECIPES.items()
-                   if key[0] == follows[0] and recipe.lead == follows[1]]
-            if due:
-                step_prefetch._issue(due, versioned=True)
+            step_prefetch.issue_lead(*follows)
         return outputs
 
     if boxed:
@@ -93,12 +90,11 @@ def _drop_at_backward(outputs: Any) -> None:
 
 def pending() -> int:
     """Gathers issued at the end of a forward graph and not yet taken by the next one."""
-    return sum(1 for slot in step_prefetch._SLOTS.values() if slot.versions is not None)
+    return step_prefetch.versioned_pending()
 
 
 def drop_pending() -> None:
     """Forget the graph that finished last and drop the gathers issued for the one after it
     (waited for first): at a backward's or an optimizer step's start."""
     _LAST[0] = None
-    for key in [k for k, slot in step_prefetch._SLOTS.items() if slot.versions is not None]:
-        step_prefetch._drain(step_prefetch._SLOTS.pop(key))
+    step_prefetch.drop_versioned()

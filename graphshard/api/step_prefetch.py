@@ -48,7 +48,8 @@ from graphshard.passes.markers import PREFETCH_BY_BREAK, PREFETCH_BY_STEP
 from graphshard.records import ShardedParam, ShardState
 from graphshard.safety.gloo_gather import all_gather, all_gather_single
 
-__all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending", "wait_issued"]
+__all__ = ["PER_PARAMETER", "track", "stats", "reset_stats", "pending", "wait_issued",
+           "issue_lead", "versioned_pending", "drop_versioned"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -364,6 +365,27 @@ def _issue(recipes: list[tuple[tuple[int, str], _Recipe]], *, versioned: bool = 
         versions = [_version_of(entry) for entry in entries] if versioned else None
         _SLOTS[key] = _Slot(sent, gathered, work, versions=versions)
         _STATS["issued"] += 1
+
+
+def issue_lead(sid: int, lead: str) -> None:
+    """Issue the leading gathers ``lead`` names of model ``id(state) == sid``, recording
+    the shards' versions (:mod:`graphshard.api.break_prefetch`: for the next forward
+    graph, which takes them while the versions hold)."""
+    due = [(key, recipe) for key, recipe in _RECIPES.items()
+           if key[0] == sid and recipe.lead == lead]
+    if due:
+        _issue(due, versioned=True)
+
+
+def versioned_pending() -> int:
+    """Gathers :func:`issue_lead` issued that no graph has taken yet."""
+    return sum(1 for slot in _SLOTS.values() if slot.versions is not None)
+
+
+def drop_versioned() -> None:
+    """Drop the gathers :func:`issue_lead` issued that no graph took (each waited for)."""
+    for key in [k for k, slot in _SLOTS.items() if slot.versions is not None]:
+        _drain(_SLOTS.pop(key))
 
 
 def _due(optimizer: torch.optim.Optimizer) -> list[tuple[tuple[int, str], _Recipe]]:
