@@ -26,8 +26,7 @@ from torch import nn
 from graphshard.api.reshard_groups import resolve_reshard
 from graphshard.errors import GraphshardTypeError, GraphshardValueError
 
-__all__ = ["ReshardSettings", "check_setting", "resolve_settings", "settings_of_params",
-           "split_by_setting"]
+__all__ = ["ReshardSettings", "check_setting", "resolve_settings", "settings_of_params"]
 
 DEFAULT = True  # what a parameter no key holds takes: ZeRO-3, as for the whole model
 
@@ -59,8 +58,19 @@ class ReshardSettings:
         """``param``'s setting and group of ``k`` (by the parameter passed to ``shard``)."""
         return self.setting_of[id(param)], self.group_of[id(param)]
 
+    def kind(self, param: nn.Parameter) -> str:
+        """What parameters of one bucket share: their setting (``True`` and ``1`` told
+        apart: 1 keeps everything), and with it their group of ``k``."""
+        return _key(self.setting_of[id(param)])
+
+    def label(self, kind: str) -> str:
+        """The suffix of a bucket split off for setting ``kind`` (:meth:`kind`)."""
+        setting = next(v for v in self.setting_of.values() if _key(v) == kind)
+        return f"reshard_after_forward={setting!r}"
+
     def of_buckets(self, bucket_of: dict[int, int]) -> list[Any]:
-        """The setting of each bucket, by index (after :func:`split_by_setting`: one each)."""
+        """The setting of each bucket, by index (after the split by :meth:`kind`: one
+        each)."""
         out: dict[int, Any] = {}
         for pid, bucket in bucket_of.items():
             out.setdefault(bucket, self.setting_of[pid])
@@ -153,32 +163,6 @@ def _label(key: object) -> str:
     return repr(key) if isinstance(key, str) else f"<{type(key).__name__}>"
 
 
-def split_by_setting(module: nn.Module, bucket_of: dict[int, int], names: list[str],
-                     settings: dict[int, Any]) -> tuple[dict[int, int], list[str]]:
-    """One setting per bucket: a bucket whose parameters take several becomes one bucket
-    per setting, in first-seen order (bucket indices stay in group order, ``<rest>``
-    pieces last); a bucket of one setting keeps its index and name."""
-    seen: dict[int, list[Any]] = {}
-    for p in module.parameters():
-        kinds = seen.setdefault(bucket_of[id(p)], [])
-        if not any(_same(settings[id(p)], k) for k in kinds):
-            kinds.append(settings[id(p)])
-    new_index: dict[tuple[int, str], int] = {}
-    new_names: list[str] = []
-    for old, name in enumerate(names):
-        kinds = seen.get(old) or [None]
-        for kind in kinds:
-            new_index[(old, _key(kind))] = len(new_names)
-            suffix = f"[reshard_after_forward={kind!r}]" if len(kinds) > 1 else ""
-            new_names.append(name + suffix)
-    return ({id(p): new_index[(bucket_of[id(p)], _key(settings[id(p)]))]
-             for p in module.parameters()}, new_names)
-
-
 def _key(setting: Any) -> str:
     """``True`` and ``1`` are equal in Python but not as settings (1 keeps everything)."""
     return f"{type(setting).__name__}:{setting!r}"
-
-
-def _same(a: Any, b: Any) -> bool:
-    return _key(a) == _key(b)

@@ -23,7 +23,7 @@ tensor of this rank's rows, and ``to_empty(device=...)`` then allocates only tho
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -51,7 +51,7 @@ from graphshard.api.offload import (
 from graphshard.api.optimizer_state import keep_scalar_states_replicated
 from graphshard.api.optimizer_steps import step_reducing_optimizers
 from graphshard.api.param_reads import install_reads, register_state
-from graphshard.api.reshard_settings import check_setting, resolve_settings, split_by_setting
+from graphshard.api.reshard_settings import check_setting, resolve_settings
 from graphshard.api.tensor_parallel import refuse_tp_after_shard, tp_mesh_of, tp_parameter
 from graphshard.errors import (
     GraphshardNotImplementedError,
@@ -283,23 +283,33 @@ def _split_by_dtype(
     module: nn.Module, bucket_of: dict[int, int], names: list[str]
 ) -> tuple[dict[int, int], list[str]]:
     """One dtype per bucket: a bucket's shards travel in one flat buffer, and concatenating
-    pieces of two dtypes would promote one of them (a bf16 weight gathered as fp32). A group
-    whose parameters have several dtypes becomes one bucket per dtype, in first-seen order;
-    bucket indices stay in group order and ``<rest>`` stays last."""
-    dtypes: dict[int, list[torch.dtype]] = {}
+    pieces of two dtypes would promote one of them (a bf16 weight gathered as fp32)."""
+    return _split_by_kind(module, bucket_of, names, lambda p: p.dtype,
+                          lambda dtype: str(dtype).removeprefix("torch."))
+
+
+def _split_by_kind(
+    module: nn.Module, bucket_of: dict[int, int], names: list[str],
+    kind_of: Callable[[nn.Parameter], Hashable], label: Callable[[Hashable], str],
+) -> tuple[dict[int, int], list[str]]:
+    """One kind per bucket: a group whose parameters are of several kinds (``kind_of``)
+    becomes one bucket per kind, in first-seen order, named with ``[label(kind)]`` appended;
+    bucket indices stay in group order and ``<rest>`` stays last. A bucket of one kind keeps
+    its name."""
+    kinds: dict[int, list[Hashable]] = {}
     for p in module.parameters():
-        seen = dtypes.setdefault(bucket_of[id(p)], [])
-        if p.dtype not in seen:
-            seen.append(p.dtype)
-    new_index: dict[tuple[int, torch.dtype], int] = {}
+        seen = kinds.setdefault(bucket_of[id(p)], [])
+        if kind_of(p) not in seen:
+            seen.append(kind_of(p))
+    new_index: dict[tuple[int, Hashable], int] = {}
     new_names: list[str] = []
     for old, name in enumerate(names):
-        kinds = dtypes.get(old) or [None]
-        for dtype in kinds:
-            new_index[(old, dtype)] = len(new_names)
-            suffix = f"[{str(dtype).removeprefix('torch.')}]" if len(kinds) > 1 else ""
-            new_names.append(name + suffix)
-    return {id(p): new_index[(bucket_of[id(p)], p.dtype)] for p in module.parameters()}, new_names
+        found = kinds.get(old) or [None]
+        for kind in found:
+            new_index[(old, kind)] = len(new_names)
+            new_names.append(name + (f"[{label(kind)}]" if len(found) > 1 else ""))
+    return ({id(p): new_index[(bucket_of[id(p)], kind_of(p))] for p in module.parameters()},
+            new_names)
 
 
 def placements(mesh: DeviceMesh, full_shape: Sequence[int]) -> tuple:
@@ -559,8 +569,8 @@ def shard(
     bucket_of, bucket_names = _assign_buckets(module, _module_groups(module, buckets),
                                               first_wins=buckets is None)
     # one setting per bucket: a group asked to reshard in two ways becomes two buckets
-    bucket_of, bucket_names = split_by_setting(module, bucket_of, bucket_names,
-                                               reshards.setting_of)
+    bucket_of, bucket_names = _split_by_kind(module, bucket_of, bucket_names,
+                                             reshards.kind, reshards.label)
     if mesh is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if device.type == "meta":  # the device to_empty will allocate on: the group's
