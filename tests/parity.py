@@ -190,8 +190,9 @@ CPP_WRAPPER = "cpp_wrapper"
 
 
 def train_sharded(rank: int, world_size: int, case: str, mode: str, variant: str = "default"):
-    """Train ``case`` sharded (``mode`` = "eager" or "compiled" with backend ``variant``);
-    losses are rank means."""
+    """Train ``case`` sharded (``mode`` = "eager", "compiled" with backend ``variant``, or
+    "lowered": the same, graphshard's transformed graphs run without Inductor); losses are
+    rank means."""
     if variant != CPP_WRAPPER:
         return _train_sharded(rank, world_size, case, mode, variant)
     with functorch_config.patch(enable_autograd_cache=False), \
@@ -210,8 +211,8 @@ def _train_sharded(rank: int, world_size: int, case: str, mode: str, variant: st
                    **shard_options) -> dict:
     torch._dynamo.reset()
     model = graphshard.shard(build(case), **shard_options)
-    backend = graphshard.backend(**VARIANTS[variant])
-    run = torch.compile(model, backend=backend) if mode == "compiled" else model
+    backend = graphshard.backend(**VARIANTS[variant], inductor=mode != "lowered")
+    run = model if mode == "eager" else torch.compile(model, backend=backend)
     opt = _optimizer(model)
     losses = []
     for step in range(STEPS):

@@ -915,11 +915,15 @@ def test_guard_check_measures_alone_and_after_another_compile(capsys, plain):
 
     if dist.is_initialized():  # pragma: no cover - another test left a group behind
         dist.destroy_process_group()
-    argv = ["--model", "tiny", "--steps", "2", "--rounds", "2"] + (["--plain"] if plain else [])
+    # Without Inductor: Dynamo's guards are the same, and each Inductor compile of the model
+    # would cost the suite about a minute.
+    argv = ["--model", "tiny", "--steps", "2", "--rounds", "2", "--no-inductor"] + (
+        ["--plain"] if plain else [])
     result = guard_check.main(argv)
     torch._dynamo.reset()
     assert not dist.is_initialized()
     assert result["system"] == ("plain" if plain else "graphshard")
+    assert result["inductor"] is False
     assert result["leaf_guards"] > 100, result
     for key in ("lookup_ms_alone", "lookup_ms_after_another_compile"):
         assert len(result[key]) == 2 and all(ms > 0 for ms in result[key]), result
