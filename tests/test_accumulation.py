@@ -7,11 +7,13 @@ from accum_parity import build, run_jobs, train_reference, update_error
 from dist_utils import run_ranks
 from parity import assert_matches
 
-# (case, mode, accum, mesh, precision)
+# (case, mode, accum, mesh, precision). "lowered" runs graphshard's graphs without Inductor,
+# where what is checked is the accumulation, not Inductor's code: each Inductor compile costs
+# the suite about half a minute, and mlp_odd goes through it with and without no_sync.
 WORLD2_JOBS = [
     ("mlp_odd", "eager", "no_sync", "1d", "fp32"),
     ("llama_tied", "eager", "no_sync", "1d", "fp32"),  # a tied weight is read twice eagerly
-    ("reread_break", "compiled", "no_sync", "1d", "fp32"),  # one weight read in two graphs
+    ("reread_break", "lowered", "no_sync", "1d", "fp32"),  # one weight read in two graphs
     ("mlp_odd", "compiled", "no_sync", "1d", "fp32"),
     ("mlp_odd", "eager", "sync", "1d", "fp32"),
     ("mlp_odd", "compiled", "sync", "1d", "fp32"),
@@ -20,7 +22,7 @@ WORLD2_JOBS = [
     ("skips_a_branch_last", "eager", "no_sync", "1d", "fp32"),
     ("skips_a_branch_last", "lowered", "no_sync", "1d", "fp32"),
     # each block reads its weight under torch.no_grad() before the read that trains
-    ("no_grad_read_first", "compiled", "no_sync", "1d", "fp32"),
+    ("no_grad_read_first", "lowered", "no_sync", "1d", "fp32"),
     ("no_grad_read_first", "eager", "no_sync", "1d", "fp32"),
     # forwards inside no_sync and after it, then one backward: it reduces what it held back
     ("mlp_odd", "lowered", "no_sync+one_backward", "1d", "fp32"),

@@ -212,10 +212,11 @@ def test_a_parameter_frozen_after_a_step_has_its_bucket_copied_in(world2):
     """A frozen parameter is read through its DTensor, which hands no buffer over: after
     freezing one, the next trace copies its bucket into the gather buffer (the others still
     gather their storage), training goes on as in the eager model and the frozen weight
-    stays as it was."""
+    stays as it was. Without Inductor: the copy is the passes' (Inductor's reads of the
+    storage have the test above)."""
     model = graphshard.shard(_model())
     eager = graphshard.shard(_model())
-    backend = graphshard.backend()
+    backend = graphshard.backend(inductor=False)
     compiled = torch.compile(model, backend=backend)
     first = [_train(model, compiled, steps=1)[0], _train(eager, eager, steps=1)[0]]
     torch.testing.assert_close(first[0], first[1], rtol=1e-5, atol=1e-5)

@@ -123,12 +123,15 @@ def state(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def job_two_models(rank: int, world_size: int, mode: str) -> dict:
-    """Shard all four models, compile each on its own in "compiled" mode, train."""
+    """Shard all four models, compile each on its own in "compiled" mode, train. Compiled
+    without Inductor: the loop is the point, and Inductor's code for these models (five
+    graphs) would cost the suite over two minutes."""
     models = build()
     for model in models.values():
         graphshard.shard(model)
     if mode == "compiled":
-        nets = {key: torch.compile(model, backend="graphshard") for key, model in models.items()}
+        nets = {key: torch.compile(model, backend=graphshard.backend(inductor=False))
+                for key, model in models.items()}
     else:
         nets = models
     losses = train(nets, optimizers(models), lambda step: batch(step, rank))
@@ -443,12 +446,14 @@ def train_recurrent(model: nn.Module, net: nn.Module, batches) -> list[torch.Ten
 def job_recurrent(rank: int, world_size: int, mode: str) -> dict:
     """Train :class:`Recurrent` sharded: eagerly, compiled (Dynamo leaves the recurrent layers,
     and the forward that calls them, to run eagerly), or compiled with ``allow_rnn`` (traced
-    whole). Also returns the messages of the ``EagerForwardWarning`` raised."""
+    whole; without Inductor, whose code for the unrolled layers would cost the suite two
+    minutes). Also returns the messages of the ``EagerForwardWarning`` raised."""
     from graphshard.api import eager_roots
 
     model = recurrent()
     graphshard.shard(model)
-    net = model if mode == "eager" else torch.compile(model, backend="graphshard")
+    backend = graphshard.backend(inductor=False) if mode == "allow_rnn" else "graphshard"
+    net = model if mode == "eager" else torch.compile(model, backend=backend)
     eager_roots._WARNED.clear()  # warned once per process: each job starts afresh
     allow = torch._dynamo.config.allow_rnn
     torch._dynamo.config.allow_rnn = mode == "allow_rnn"
