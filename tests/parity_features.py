@@ -1,7 +1,8 @@
 """Parity cases for the training features: frozen and tied parameters, gradient hooks,
 BatchNorm buffers, activation checkpointing, eval/no_grad, graph breaks and shape changes.
 
-Each case trains a tiny model on real gloo ranks (eager and compiled) and, in one process,
+Each case trains a tiny model on real gloo ranks (eager and compiled; the cases of
+:data:`WITHOUT_INDUCTOR` compiled by graphshard's passes alone) and, in one process,
 a reference that sees every rank's batch. Buffers are per rank as in DDP: the reference keeps
 one copy of the buffers per rank and swaps it in for that rank's batch, so rank r's running
 statistics are compared with the reference's copy r.
@@ -209,6 +210,13 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
+# Compiled without Inductor: what they check (which parameters train, which gradients the
+# hooks see, what the backward recomputes) is settled before Inductor, and each Inductor
+# compile costs the suite about half a minute. BatchNorm's buffer updates and the shape
+# changes go through Inductor.
+WITHOUT_INDUCTOR = frozenset({"frozen_tied", "grad_hooks", "checkpoint_tied"})
+
+
 def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
     """Train ``case`` sharded, eager or compiled; losses are rank means, the eval step's
     loss is this rank's own."""
@@ -216,7 +224,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
     spec = CASES[case]
     model = build(case)
     spec.shard(model)
-    backend = graphshard.backend()
+    backend = graphshard.backend(inductor=case not in WITHOUT_INDUCTOR)
     run = torch.compile(model, backend=backend) if mode == "compiled" else model
     opt = _optimizer(model)
     losses = []
