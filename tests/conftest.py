@@ -1,7 +1,13 @@
 """Test setup: one Inductor cache for the whole run, inherited by every spawned rank, no
 calibrated hardware profile and no dump directory; the ``one_rank`` fixture (a real one-rank
 gloo group in the test's own process) and ``fake2`` (a fake process group of 2, for tests
-that look at graphs)."""
+that look at graphs).
+
+Suite time: a compiled test goes through Inductor only where Inductor's code is what it
+checks. One Inductor compile of the tiny Llama costs about half a minute on 2 cores (g++ per
+kernel, and Inductor's Python as much again); ``graphshard.backend(inductor=False)`` runs
+the passes' graphs as they are, for about a quarter of that. Ranks that launch together
+share one compile (``share_compiled``), so a launch costs what one rank compiles."""
 
 import atexit
 import os
