@@ -71,7 +71,6 @@ def measure(model_name: str, sharded: bool, steps: int, rounds: int,
         model = Llama(config)
         if sharded:
             model = graphshard.shard(model)
-        if sharded:
             backend = graphshard.backend(inductor=inductor)
         else:
             backend = "inductor" if inductor else "aot_eager"
