@@ -13,7 +13,8 @@ Here each block of the main ``ModuleList`` / ``Sequential`` / ``ModuleDict`` (th
   operand (:data:`REGION_PARAMS_ATTR`). The step graph so keeps every marker, and the
   passes bucket, prefetch and reshard exactly as before (block k+1's gather under block k);
 - the region's body is pure compute. Dynamo traces one block of each kind and stamps it out
-  for the others (torch 2.13; 2.11 traces each call), and identical bodies become one
+  for the others (torch 2.13; 2.11 traces each call, and so does 2.13 for a block that
+  returns a tensor it was given as it is, as T5's do), and identical bodies become one
   ``invoke_subgraph`` subgraph, which AOTAutograd partitions and Inductor
   compiles once per distinct block (another shape, dtype or module gets its own);
 - the backend partitions each region's joint graph with
@@ -81,7 +82,63 @@ def _block_body(block: nn.Module, n_params: int, n_args: int, *operands: Any) ->
     keywords = operands[n_params + n_args:]
     half = len(keywords) // 2
     kwargs = dict(zip(keywords[:half], keywords[half:], strict=True))
-    return block._graphshard_block_forward(block, *args, **kwargs)
+    return _operands_taken_out(block._graphshard_block_forward(block, *args, **kwargs),
+                               operands)
+
+
+# In what a region returns, where one of its operands stood: (position in the output tuple,
+# or _WHOLE_OUTPUT, operand index) pairs.
+_Taken = tuple[tuple[int, int], ...]
+_WHOLE_OUTPUT = -1
+# The last item of a region's output whose operands were taken out: (output, taken, this).
+_TAKEN_OUT = "graphshard: operands taken out of a region's output"
+
+
+def _operands_taken_out(out: Any, operands: tuple) -> Any:
+    """``out``, or where it returns one of ``operands`` as it is: ``(out without them,
+    where they stood, _TAKEN_OUT)``.
+
+    ``invoke_subgraph`` may not return one of its inputs (input-to-output aliasing): a block
+    that hands on a tensor it was given, as each of T5's blocks returns the position bias the
+    first one computed, broke the step graph at every block (the step then ran in pieces,
+    nothing overlapped across them). Such an output, the whole output or an item of a plain
+    tuple, leaves the region as None and :func:`_operands_put_back` returns the operand
+    itself outside, as the block does eagerly. Dynamo stamps out only a body whose output is
+    tensors: such a block is traced at each call (its identical bodies still become one
+    subgraph, compiled once); every other block's output is left as it is."""
+    if isinstance(out, torch.Tensor):
+        for index, operand in enumerate(operands):
+            if out is operand:
+                return None, ((_WHOLE_OUTPUT, index),), _TAKEN_OUT
+        return out
+    if type(out) is not tuple:
+        return out
+    taken = []
+    for position, item in enumerate(out):
+        if isinstance(item, torch.Tensor):
+            for index, operand in enumerate(operands):
+                if item is operand:
+                    taken.append((position, index))
+                    break
+    if not taken:
+        return out
+    positions = dict(taken)
+    masked = tuple(None if i in positions else item for i, item in enumerate(out))
+    return masked, tuple(taken), _TAKEN_OUT
+
+
+def _operands_put_back(out: Any, operands: tuple) -> Any:
+    """The block's output as it returned it: each operand :func:`_operands_taken_out` took out
+    back in its place."""
+    if not (type(out) is tuple and len(out) == 3 and isinstance(out[2], str)
+            and out[2] == _TAKEN_OUT):
+        return out
+    masked, taken, _ = out
+    positions = dict(taken)
+    if _WHOLE_OUTPUT in positions:
+        return operands[positions[_WHOLE_OUTPUT]]
+    return tuple(operands[positions[i]] if i in positions else item
+                 for i, item in enumerate(masked))
 
 
 # [the region], filled at install: traced code reads a list, never calls the cached factory
@@ -378,8 +435,9 @@ def region_forward(self: nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     _bind_sizes(tuple(kwargs.values()))
     marked_before = tensors_may_escape()
     owners, flat = _gather_block_params(self)
+    operands = (*flat, *args, *kwargs, *kwargs.values())
     try:
-        return _REGION[0](self, len(flat), len(args), *flat, *args, *kwargs, *kwargs.values())
+        return _operands_put_back(_REGION[0](self, len(flat), len(args), *operands), operands)
     finally:
         unchecked_side_effect(_clear_region_params, owners)
         # the gathered parameters were stored, and are taken back: no tensor escaped the
