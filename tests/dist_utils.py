@@ -201,10 +201,34 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def assert_eager_grads(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     """Every parameter's gradient of the sharded ``model``, gathered whole, matches the
-    unsharded ``reference``'s (rtol 1e-4, atol 1e-6), named in the message where not."""
+    unsharded ``reference``'s (rtol 1e-4, atol 1e-6), named in the message where not; a
+    parameter the reference's step left without a gradient has none either."""
     for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        if want.grad is None:
+            assert got.grad is None, f"{name}: a gradient where the reference has none"
+            continue
         torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def compiled_backward(build: Callable[[], torch.nn.Module], x: torch.Tensor
+                      ) -> tuple[torch.nn.Module, torch.nn.Module, Any, list]:
+    """One backward of ``build()`` on ``x``, eagerly, and of a sharded copy compiled by
+    graphshard with Inductor off: (reference, sharded model, its backend, the warnings raised
+    while it compiled and ran)."""
+    import copy
+    import warnings
+
+    import graphshard
+
+    reference = build()
+    model = graphshard.shard(copy.deepcopy(reference))
+    reference(x).backward()
+    backend = graphshard.backend(inductor=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend=backend)(x).backward()
+    return reference, model, backend, caught
 
 
 def assert_compiled_gets_eager_grads(build: Callable[[], torch.nn.Module],

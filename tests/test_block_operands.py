@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from dist_utils import compiled_backward
 from torch import nn
 
 import graphshard
@@ -67,13 +68,8 @@ def _compiled_backward(with_store: bool) -> tuple[nn.Module, nn.Module, list, di
     """(reference run eagerly, sharded copy compiled, warnings raised, the backend's step
     graphs), one backward each on the same input."""
     torch.manual_seed(0)
-    reference, x = _Stack(with_store), torch.randn(4, 8)
-    model = graphshard.shard(copy.deepcopy(reference))
-    reference(x).backward()
-    backend = graphshard.backend(inductor=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.compile(model, backend=backend)(x).backward()
+    reference, model, backend, caught = compiled_backward(lambda: _Stack(with_store),
+                                                          torch.randn(4, 8))
     (stages,) = backend.graphs
     return reference, model, [w for w in caught if w.category is BlockInlinedWarning], stages
 

@@ -10,14 +10,12 @@ passes leave and gradients against the model run eagerly (one real gloo rank).
 
 from __future__ import annotations
 
-import copy
-import warnings
 from collections import Counter
 
 import torch
+from dist_utils import assert_eager_grads, compiled_backward
 from torch import nn
 
-import graphshard
 from graphshard.compiler.graph_breaks import GraphBreakWarning
 from graphshard.passes.regions import region_calls
 
@@ -77,25 +75,8 @@ class _GateStack(nn.Module):
 
 
 def _compiled_backward(make: type[nn.Module]) -> tuple[nn.Module, nn.Module, object, list]:
-    """One backward of ``make()`` eagerly and of a sharded copy compiled by graphshard
-    (Inductor off): (reference, sharded model, backend, warnings raised while compiling)."""
     torch.manual_seed(0)
-    reference, x = make(), torch.randn(4, 8)
-    model = graphshard.shard(copy.deepcopy(reference))
-    reference(x).backward()
-    backend = graphshard.backend(inductor=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.compile(model, backend=backend)(x).backward()
-    return reference, model, backend, caught
-
-
-def _assert_eager_grads(reference: nn.Module, model: nn.Module) -> None:
-    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
-        if want.grad is None:  # a closed gate's layer
-            assert got.grad is None, name
-        else:
-            torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+    return compiled_backward(make, torch.randn(4, 8))
 
 
 def test_blocks_handing_on_a_tensor_they_were_given_keep_one_graph(one_rank):
@@ -104,11 +85,11 @@ def test_blocks_handing_on_a_tensor_they_were_given_keep_one_graph(one_rank):
     (stages,) = backend.graphs  # one step graph: before, a break at every block
     bodies = Counter(node.args[0].target for node in region_calls(stages["fw"]))
     assert sorted(bodies.values()) == [3]  # every block in the one body
-    _assert_eager_grads(reference, model)
+    assert_eager_grads(model, reference)
 
 
 def test_a_block_returning_its_input_as_it_is_keeps_one_graph(one_rank):
     reference, model, backend, caught = _compiled_backward(_GateStack)
     assert not [w for w in caught if w.category is GraphBreakWarning]
     assert len(backend.graphs) == 1
-    _assert_eager_grads(reference, model)
+    assert_eager_grads(model, reference)
