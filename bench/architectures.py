@@ -238,6 +238,9 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             results[(name, mode)] = {"error": traceback.format_exc()}
         if rank == 0:
             done = "raised" if "error" in results[(name, mode)] else "trained"
+            graphs = results[(name, mode)].get("graphs")
+            if graphs:
+                done += f" ({graphs} step graph{'s' if graphs > 1 else ''})"
             print(f"[architectures] {name} {mode}: {done}", file=sys.stderr, flush=True)
     return results
 
