@@ -86,9 +86,8 @@ def _block_body(block: nn.Module, n_params: int, n_args: int, *operands: Any) ->
                                operands)
 
 
-# In what a region returns, where one of its operands stood: (position in the output tuple,
-# or _WHOLE_OUTPUT, operand index) pairs.
-_Taken = tuple[tuple[int, int], ...]
+# Where an operand taken out of a region's output stood when it was the whole output (else
+# its position in the output tuple).
 _WHOLE_OUTPUT = -1
 # The last item of a region's output whose operands were taken out: (output, taken, this).
 _TAKEN_OUT = "graphshard: operands taken out of a region's output"
@@ -107,24 +106,29 @@ def _operands_taken_out(out: Any, operands: tuple) -> Any:
     tensors: such a block is traced at each call (its identical bodies still become one
     subgraph, compiled once); every other block's output is left as it is."""
     if isinstance(out, torch.Tensor):
-        for index, operand in enumerate(operands):
-            if out is operand:
-                return None, ((_WHOLE_OUTPUT, index),), _TAKEN_OUT
-        return out
+        index = _operand_index(out, operands)
+        return out if index is None else (None, ((_WHOLE_OUTPUT, index),), _TAKEN_OUT)
     if type(out) is not tuple:
         return out
     taken = []
     for position, item in enumerate(out):
-        if isinstance(item, torch.Tensor):
-            for index, operand in enumerate(operands):
-                if item is operand:
-                    taken.append((position, index))
-                    break
+        index = _operand_index(item, operands)
+        if index is not None:
+            taken.append((position, index))
     if not taken:
         return out
     positions = dict(taken)
     masked = tuple(None if i in positions else item for i, item in enumerate(out))
     return masked, tuple(taken), _TAKEN_OUT
+
+
+def _operand_index(item: Any, operands: tuple) -> int | None:
+    """The index of the operand ``item`` is, if it is a tensor among ``operands``."""
+    if isinstance(item, torch.Tensor):
+        for index, operand in enumerate(operands):
+            if item is operand:
+                return index
+    return None
 
 
 def _operands_put_back(out: Any, operands: tuple) -> Any:
