@@ -327,9 +327,11 @@ def header(report: dict) -> str:
     adamw = "AdamW" if optimizer == "default" else f"AdamW ({optimizer})"
     if cfg.get("clip_grad_norm") is not None:
         adamw += f" after clip_grad_norm_ to {cfg['clip_grad_norm']:g}"
+    compiled = ("" if cfg.get("compiler", "inductor") == "inductor" else
+                "compiled without Inductor (--compiler aot_eager: step times are no system's), ")
     return (
         f"{cfg['model']} ({report['reference']['params']:,} parameters), {world}, {adamw}, "
-        f"{precision(cfg.get('mixed_precision', 'none'))}, "
+        f"{precision(cfg.get('mixed_precision', 'none'))}, {compiled}"
         f"batch {cfg['batch_size']}x{cfg['seq_len']} per rank, {cfg['steps']} steps "
         f"({cfg['warmup']} warm-up), {schedule}, {machine['device_name']} "
         f"({machine['cpu_count']} CPUs{busy}), torch {machine['torch']}"

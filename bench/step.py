@@ -3,7 +3,7 @@
     python -m bench.step --world-size 2 --model llama-small --steps 30 --json out.json \\
         [--markdown out.md] [--device cpu|cuda] [--systems NAME ...] [--batch-size 4] \\
         [--seq-len 128] [--warmup 5] [--round-steps 1] [--sequential] [--fake-world N] \\
-        [--mixed-precision none|bf16|fp16]
+        [--mixed-precision none|bf16|fp16] [--compiler inductor|aot_eager]
 
     python -m bench.step --systems graphshard-compiled \\
         'graphshard-compiled[reshard_after_forward=False]' --json out.json
@@ -84,6 +84,13 @@ SimpleFSDP ``MixedPrecisionPolicy``), or ``torch.autocast`` around forward and l
 single-compiled); master weights and AdamW state stay fp32 everywhere. fp16 runs without a
 ``GradScaler`` (a benchmark times steps; its losses are not a convergence result).
 
+``--compiler aot_eager`` runs every compiled system's graphs op by op after AOTAutograd
+(``graphshard.backend(inductor=False)``, ``torch.compile(backend="aot_eager")``), without
+Inductor's code generation: a run that checks the bench (the systems, their collectives and
+losses) in a fraction of the time, or tells whether a failure is Inductor's. Its step times
+are no system's, and SimpleFSDP's bucketing, an Inductor pass, does not run; the table's
+header says so.
+
 ``--fake-world N`` runs one process as rank 0 of N ranks (:mod:`bench.fake_world`): the
 collectives are computed locally with real data (a gather tiles this rank's shard), so the
 times are the compute side of an N-rank step without the network. Those local copies run
@@ -135,6 +142,7 @@ from bench.report import (
 )
 from bench.systems import (
     ADAMW_IMPLEMENTATIONS,
+    COMPILERS,
     MIXED_PRECISION,
     OFFLOAD_SYSTEMS,
     ONE_PROCESS_SYSTEMS,
@@ -235,6 +243,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parameter/compute dtype for every system, gradients reduced in fp32: graphshard "
         "MixedPrecision, FSDP2 and SimpleFSDP mp_policy, torch.autocast for DDP and "
         "single-compiled (fp16 without a GradScaler)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compiler", default="inductor", choices=list(COMPILERS),
+        help="what the compiled systems' graphs run on: inductor (as their users run them), "
+        "or aot_eager (op by op after AOTAutograd: a quick check of the bench, or of whether "
+        "a failure is Inductor's; its step times are no system's)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=None,
@@ -624,7 +638,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, out_path: str)
     store = dist.FileStore(store_path, args.processes)
     device = _init_process_group(rank, args, dist.PrefixStore("pg", store))
     ctx = BenchContext(llama_config(args.model), args.seed, args.lr, device, args.world_size,
-                       args.optimizer, args.mixed_precision, args.clip_grad_norm)
+                       args.optimizer, args.mixed_precision, args.clip_grad_norm,
+                       args.compiler)
     runner = _Rank(rank, args, ctx, store)
     groups = [[name] for name in args.systems] if args.sequential else [args.systems]
     records = []

@@ -231,6 +231,10 @@ MIXED_PRECISION: dict[str, torch.dtype | None] = {
 REDUCE_DTYPE = torch.float32
 
 
+# --compiler: what the compiled systems' graphs run on (BenchContext.compiler)
+COMPILERS = ("inductor", "aot_eager")
+
+
 class PeerUnavailable(RuntimeError):
     """A peer system cannot be built here (its package is missing): skipped, not failed."""
 
@@ -251,6 +255,10 @@ class BenchContext:
     mixed_precision: str = "none"
     # clip_grad_norm_'s threshold after every backward, for every system (None: no clip)
     clip_grad_norm: float | None = None
+    # one of COMPILERS: what the compiled systems' graphs run on, "inductor" (the
+    # systems as their users run them) or "aot_eager" (op by op: a quick check of the
+    # bench's plumbing or of whether a failure is Inductor's; its times are no one's)
+    compiler: str = "inductor"
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -342,8 +350,22 @@ class _OwnInductor(torch._TorchCompileInductorWrapper):
         return id(self)
 
 
-def _compile(model: nn.Module, options: dict[str, Any] | None = None, **kwargs: Any):
-    """``torch.compile(model)`` with Inductor under ``options``, compiled for this system only."""
+class _OwnAotEager:
+    """AOTAutograd with no compiler (``torch.compile``'s ``"aot_eager"``), equal only to
+    itself for the same reason as :class:`_OwnInductor`."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _compile(model: nn.Module, ctx: BenchContext, options: dict[str, Any] | None = None,
+             **kwargs: Any):
+    """``torch.compile(model)`` with Inductor under ``options`` (or AOTAutograd alone, where
+    ``ctx.compiler`` says so), compiled for this system only."""
+    if ctx.compiler == "aot_eager":
+        return torch.compile(model, backend=_OwnAotEager(), **kwargs)
     return torch.compile(model, backend=_OwnInductor(None, options, None), **kwargs)
 
 
@@ -393,6 +415,7 @@ def _graphshard(
     if name.partition("[")[0].endswith("-eager"):
         return System(name, model, model, _adamw(model, ctx), group=group,
                       clip=graphshard.clip_grad_norm_)
+    options.setdefault("inductor", ctx.compiler == "inductor")  # a variant's own wins
     backend = graphshard.backend(**options)
     run = torch.compile(model, backend=backend)
 
@@ -431,7 +454,7 @@ def _fsdp2(ctx: BenchContext, group: dist.ProcessGroup, compiled: bool, prefetch
                 block.set_modules_to_forward_prefetch([blocks[i + 1]])
             if i > 0:
                 block.set_modules_to_backward_prefetch([blocks[i - 1]])
-    run = _compile(model) if compiled else model
+    run = _compile(model, ctx) if compiled else model
     return System(name, run, model, _adamw(model, ctx), group=group)
 
 
@@ -516,9 +539,14 @@ def _simple_fsdp(ctx: BenchContext, group: dist.ProcessGroup, name: str) -> Syst
         build_model(ctx, name), _mesh(group, ctx), mode="fully_shard", mp_policy=mp_policy
     )
     settings = _inductor_settings(SIMPLEFSDP_MODES[name], block_bucket_plans(model))
-    run = _compile(model, settings, fullgraph=True)  # as graph_trainer's JIT mode compiles
+    run = _compile(model, ctx, settings, fullgraph=True)  # as graph_trainer's JIT mode compiles
+    notes = []
+    if SIMPLEFSDP_MODES[name] is not None and ctx.compiler != "inductor":
+        notes.append(f"its bucketing ({SIMPLEFSDP_MODES[name]}) is an Inductor pass: not run "
+                     f"with --compiler {ctx.compiler}")
     return System(
-        name, run, model, _adamw(model, ctx), group=group, context=_compile_context(settings)
+        name, run, model, _adamw(model, ctx), notes=notes, group=group,
+        context=_compile_context(settings),
     )
 
 
@@ -535,7 +563,7 @@ def _ddp_compiled(ctx: BenchContext, group: dist.ProcessGroup) -> System:
             "about one copy of the parameters)"
         )
     return System(
-        "ddp-compiled", _compile(ddp), model, _adamw(model, ctx), notes=notes, group=group,
+        "ddp-compiled", _compile(ddp, ctx), model, _adamw(model, ctx), notes=notes, group=group,
         autocast=ctx.param_dtype,  # fp16 too, with no GradScaler: a benchmark times steps
     )  # fmt: skip
 
@@ -564,7 +592,7 @@ def _single_compiled(ctx: BenchContext, group: None, regions: bool = False) -> S
         # allocations it no longer saves.
         options = {"inplace_buffers": False, "allow_buffer_reuse": False}
     return System(
-        name, _compile(model, options), model, _adamw(model, ctx), False, notes=notes,
+        name, _compile(model, ctx, options), model, _adamw(model, ctx), False, notes=notes,
         autocast=ctx.param_dtype,
     )  # fmt: skip
 

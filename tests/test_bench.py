@@ -1,8 +1,10 @@
 """Tests of the step benchmark (``python -m bench.step``) and its fake world.
 
 Two bench launches are shared by the tests (module fixtures): two gloo ranks with the peers
-in fp32, and a one-process fake world in bf16 (``--mixed-precision bf16``). The fake world's
-collectives and groups are also checked in this process.
+in fp32, compiled with Inductor as users run them, and a one-process fake world in bf16
+(``--mixed-precision bf16``) compiled without Inductor (``--compiler aot_eager``: its tests
+check the systems, collectives, bytes and losses, not generated code, in a fifth of the
+time). The fake world's collectives and groups are also checked in this process.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def fake_world(tmp_path_factory) -> tuple[dict, str]:
     fast."""
     tmp = tmp_path_factory.mktemp("fake_world")
     args = ["--fake-world", "2", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
-            "--optimizer", "fused", "--mixed-precision", "bf16"]
+            "--optimizer", "fused", "--mixed-precision", "bf16", "--compiler", "aot_eager"]
     return _run(tmp, *args, "--systems", *FAKE_SYSTEMS)
 
 
@@ -247,6 +249,8 @@ def test_fake_world_trains_on_real_values(fake_world):
     """A gather that left zeros would pin the loss at ln(vocab) (all logits 0)."""
     report, table = fake_world
     assert report["config"]["world_size"] == 2 and "fake world of 2" in table
+    assert report["config"]["compiler"] == "aot_eager"
+    assert "compiled without Inductor (--compiler aot_eager" in table
     assert "AdamW (fused)," in table and report["config"]["clip_grad_norm"] is None
     clipped = {**report, "config": {**report["config"], "clip_grad_norm": 1000.0}}
     assert "AdamW (fused) after clip_grad_norm_ to 1000," in header(clipped)
@@ -711,6 +715,39 @@ def test_mixed_precision_option_reaches_every_system():
         assert ctx.param_dtype is dtype and MIXED_PRECISION[name] is dtype
     with pytest.raises(SystemExit):
         parse_args(["--json", "x.json", "--mixed-precision", "fp8"])
+
+
+def test_compiler_option_takes_inductor_out_of_every_compiled_system(one_rank, monkeypatch):
+    """``--compiler aot_eager``: graphshard's backend runs without Inductor (a variant's own
+    ``inductor=`` still wins), the peers compile with AOTAutograd alone (a step runs with
+    Inductor's backend made to fail), and SimpleFSDP's bucketing rows say their pass did
+    not run."""
+    from bench.systems import _OwnInductor, build_system
+    from bench.timing import train_step
+
+    assert parse_args(["--json", "x.json"]).compiler == "inductor"
+    with pytest.raises(SystemExit):
+        parse_args(["--json", "x.json", "--compiler", "eager"])
+    cfg = llama_config("tiny", n_layers=1)
+    ctx = BenchContext(cfg, 0, 1e-3, torch.device("cpu"), 1, compiler="aot_eager")
+    assert build_system("graphshard-compiled", ctx).backend.inductor is False
+    assert build_system("graphshard-compiled[inductor=True]", ctx).backend.inductor is True
+    inductor = BenchContext(cfg, 0, 1e-3, torch.device("cpu"), 1)
+    assert build_system("graphshard-compiled", inductor).backend.inductor is True
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Inductor compiled a graph under --compiler aot_eager")
+
+    monkeypatch.setattr(_OwnInductor, "__call__", refuse)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    for name in ("single-compiled", "ddp-compiled"):
+        torch._dynamo.reset()
+        assert torch.isfinite(train_step(build_system(name, ctx), tokens)), name
+    if HAS_TORCHTITAN:
+        bucketing = build_system("simplefsdp-block-bucketing", ctx)
+        assert any("an Inductor pass: not run with --compiler aot_eager" in note
+                   for note in bucketing.notes), bucketing.notes
+        assert not build_system("simplefsdp-block-bucketing", inductor).notes
 
 
 def test_autocast_runs_the_forward_in_the_systems_dtype():
