@@ -11,7 +11,9 @@ statistics follow that rank's batches alone). The table gives the largest relati
 of the rank-mean losses, the largest absolute difference of the final state (every rank's state
 dict, parameters gathered whole, against that rank's reference) and a verdict against
 ``--rtol``/``--atol``. A compiled run that Dynamo split into several step graphs trains the
-same, but its collectives cannot overlap across the breaks: the verdict says in how many.
+same, but its collectives cannot overlap across the breaks: the verdict says in how many. It
+also counts the graphs compiled again after the first step (a guard that failed: a
+recompile, which costs a compile at that step; ``TORCH_LOGS=recompiles`` says which guard).
 
 AdamW's ``eps`` is raised to 1e-3: a gradient at round-off level (the bias of a
 convolution before a batch norm, the query and key weights of an attention at init) would
@@ -195,9 +197,12 @@ def _train_job(name: str, mode: str, rank: int, steps: int, setup: Setup, mesh: 
     model, run, backend = _sharded(name, mode, setup, mesh)
     optimizer = _optimizer(model)
     stop = steps if setup.resume_after is None else setup.resume_after
-    losses = train(run, optimizer, range(stop))
-    # the step graphs Dynamo made: more than one where the model breaks the graph
+    losses = train(run, optimizer, range(min(1, stop)))
+    # the graphs Dynamo made for the first step (more than one where the model breaks the
+    # graph), then those it made again for later steps (a guard failed: a recompile)
     graphs = None if backend is None else len(backend.graphs)
+    losses += train(run, optimizer, range(len(losses), stop))
+    recompiles = None if backend is None else len(backend.graphs) - graphs
     if setup.resume_after is not None:
         directory = Path(setup.checkpoint_dir) / f"{name}-{mode}"
         graphshard.save_checkpoint(directory, model, optimizer, step=stop)
@@ -211,7 +216,8 @@ def _train_job(name: str, mode: str, rank: int, steps: int, setup: Setup, mesh: 
         losses += train(run, optimizer, range(info.step, steps))
     first = next(p for p in model.parameters() if isinstance(p, DTensor))
     return {"losses": losses, "state": full_state(model),
-            "placements": tuple(map(str, first.placements)), "graphs": graphs}
+            "placements": tuple(map(str, first.placements)), "graphs": graphs,
+            "recompiles": recompiles}
 
 
 def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: int,
@@ -240,7 +246,9 @@ def train_ranks(rank: int, world_size: int, jobs: list[tuple[str, str]], steps: 
             done = "raised" if "error" in results[(name, mode)] else "trained"
             graphs = results[(name, mode)].get("graphs")
             if graphs:
-                done += f" ({graphs} step graph{'s' if graphs > 1 else ''})"
+                done += f" ({graphs} step graph{'s' if graphs > 1 else ''}"
+                recompiles = results[(name, mode)].get("recompiles")
+                done += f", {recompiles} recompiled after step 1)" if recompiles else ")"
             print(f"[architectures] {name} {mode}: {done}", file=sys.stderr, flush=True)
     return results
 
@@ -302,13 +310,15 @@ def compare(per_rank: list[dict], reference: dict, rtol: float, atol: float) -> 
     """One row: the rank-mean losses' largest relative difference from the reference's, the
     largest absolute difference of any rank's final state from that rank's reference state,
     and whether both are within tolerance (``|a - b| <= atol + rtol * |b|`` everywhere, as
-    ``torch.isclose``); for a compiled run, ``graphs``: the step graphs Dynamo made."""
+    ``torch.isclose``); for a compiled run, ``graphs``: the step graphs Dynamo made for the
+    first step, and ``recompiles``: those it made again for the later ones, where any."""
     import torch
 
     failed = next((r["error"] for r in per_rank if "error" in r), None)
     if failed is not None:
         return {"ok": False, "error": failed.strip().splitlines()[-1]}
-    graphs = {"graphs": per_rank[0]["graphs"]} if per_rank[0].get("graphs") else {}
+    graphs = {key: per_rank[0][key] for key in ("graphs", "recompiles")
+              if per_rank[0].get(key)}
     world = len(per_rank)
     mean = torch.tensor([sum(r["losses"][s] for r in per_rank) / world
                          for s in range(len(reference["losses"]))], dtype=torch.float64)
@@ -357,6 +367,9 @@ def table(rows: list[dict]) -> str:
                 verdicts.append(f"**{mode} differs**")
             if row.get("graphs", 1) > 1:  # trains alike, but its collectives overlap less
                 verdicts.append(f"{mode} in {row['graphs']} graphs (graph breaks)")
+            if row.get("recompiles"):  # each one a compile more, at a later step
+                verdicts.append(f"{mode} again for later steps: {row['recompiles']} "
+                                "recompile(s)")
         verdict = "; ".join(verdicts) or "as one process"
         if verdicts and all(row.get("ok") for row in cells.values()):
             verdict = f"as one process; {verdict}"

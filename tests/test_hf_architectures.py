@@ -62,6 +62,7 @@ def test_trains_like_one_process(ranks, name, mode):
     # compiled, one step graph: T5's blocks hand on the position bias they are given, which
     # broke the graph at every block (tests/test_region_passthrough.py)
     assert row.get("graphs") == (1 if mode == "compiled" else None), row
+    assert not row.get("recompiles"), row  # and the later steps run that graph
 
 
 def test_the_tool_checks_an_architecture_end_to_end(tmp_path, capsys):
@@ -124,7 +125,13 @@ def test_the_verdict_names_a_difference_and_a_failure():
     assert row["ok"] and row["graphs"] == 3
     text = architectures.table([{"architecture": "t5", "mode": "compiled", **row}])
     assert "| as one process; compiled in 3 graphs (graph breaks) |" in text
-    whole = architectures.compare([{**same, "graphs": 1}] * 2, reference, 1e-5, 1e-6)
+    again = {**same, "graphs": 1, "recompiles": 1}  # a guard failed at a later step
+    row = architectures.compare([again, again], reference, 1e-5, 1e-6)
+    assert row["ok"] and row["graphs"] == 1 and row["recompiles"] == 1
+    text = architectures.table([{"architecture": "vit", "mode": "compiled", **row}])
+    assert "| as one process; compiled again for later steps: 1 recompile(s) |" in text
+    whole = architectures.compare([{**same, "graphs": 1, "recompiles": 0}] * 2, reference,
+                                  1e-5, 1e-6)
     assert "| as one process |" in architectures.table(
         [{"architecture": "t5", "mode": "compiled", **whole}])
 
