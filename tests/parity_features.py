@@ -1,5 +1,6 @@
-"""Parity cases for the training features: frozen and tied parameters, gradient hooks,
-BatchNorm buffers, activation checkpointing, eval/no_grad, graph breaks and shape changes.
+"""Parity cases for the training features: frozen and tied parameters, LoRA adapters (PEFT
+on a Hugging Face Llama), gradient hooks, BatchNorm buffers, activation checkpointing,
+eval/no_grad, graph breaks and shape changes.
 
 Each case trains a tiny model on real gloo ranks (eager and compiled; the cases of
 :data:`WITHOUT_INDUCTOR` compiled by graphshard's passes alone) and, in one process,
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphshard
+from graphshard.analysis.report import bucket_rows
 
 EVAL_STEP = 2  # a forward-only step under model.eval() and torch.no_grad()
 
@@ -160,6 +162,30 @@ class Breaks(Blocks):
         return F.mse_loss(self.head(x), y)
 
 
+def peft_lora() -> nn.Module:
+    """PEFT's LoRA on a tiny Hugging Face Llama, as a fine-tuning script builds it: every
+    base weight frozen, rank-4 adapters on the attention's q and v projections (initialised
+    non-zero, so that both of each pair train from the first step)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, attn_implementation="sdpa",
+                         use_cache=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False)
+    return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def _causal_lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def _lm_tokens(gen: torch.Generator, rows: int) -> tuple:
+    return (torch.randint(0, 64, (rows, 12), generator=gen),)
+
+
 def _regression(gen: torch.Generator, rows: int) -> tuple:
     return torch.randn(rows, 8, generator=gen), torch.randn(rows, 3, generator=gen)
 
@@ -181,10 +207,13 @@ class FeatureCase:
     # The forward-only step's grad mode: torch.no_grad, or torch.inference_mode (where the
     # gathered copies are inference tensors, with no version counter to check).
     eval_mode: Callable[[], object] = torch.no_grad
+    # The loss of one batch (the model returns it, unless the case says otherwise).
+    loss: Callable[[nn.Module, tuple], torch.Tensor] = lambda model, batch: model(*batch)
 
 
 CASES: dict[str, FeatureCase] = {
     "frozen_tied": FeatureCase(frozen_tied, _tokens, shard=tied_shard),
+    "peft_lora": FeatureCase(peft_lora, _lm_tokens, loss=_causal_lm_loss),
     "grad_hooks": FeatureCase(grad_hooks, _regression),
     "batchnorm_eval": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP),
     "batchnorm_inference_mode": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP,
@@ -214,7 +243,7 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 # hooks see, what the backward recomputes) is settled before Inductor, and each Inductor
 # compile costs the suite about half a minute. BatchNorm's buffer updates and the shape
 # changes go through Inductor.
-WITHOUT_INDUCTOR = frozenset({"frozen_tied", "grad_hooks", "checkpoint_tied"})
+WITHOUT_INDUCTOR = frozenset({"frozen_tied", "peft_lora", "grad_hooks", "checkpoint_tied"})
 
 
 def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
@@ -234,10 +263,10 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
             if step == spec.eval_step:
                 model.eval()
                 with spec.eval_mode():
-                    losses.append(run(*batch(case, step, rank)).item())
+                    losses.append(spec.loss(run, batch(case, step, rank)).item())
                 model.train()
                 continue
-            loss = run(*batch(case, step, rank))
+            loss = spec.loss(run, batch(case, step, rank))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -255,7 +284,16 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
             str(w.message) for w in caught if issubclass(w.category, graphshard.GraphBreakWarning)
         ],
         "graphs": len(backend.graphs),
+        "reduced_params": _reduced_params(backend),
     }
+
+
+def _reduced_params(backend: graphshard.GraphshardBackend) -> list[str]:
+    """The parameters whose gradients the compiled backwards reduce-scatter (sorted)."""
+    return sorted(
+        name for stages in backend.graphs if "bw" in stages
+        for row in bucket_rows(stages["bw"], backend.plan.profile)
+        if row["kind"] in ("reduce_scatter", "all_to_all") for name in row["names"])
 
 
 def train_reference(case: str, world_size: int) -> list[dict]:
@@ -270,7 +308,7 @@ def train_reference(case: str, world_size: int) -> list[dict]:
         for key, tensor in buffers[r].items():
             owner, _, leaf = key.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = tensor
-        return model(*batch(case, step, r))
+        return spec.loss(model, batch(case, step, r))
 
     losses: list[list[float]] = [[] for _ in range(world_size)]
     for step in range(STEPS):
@@ -289,7 +327,8 @@ def train_reference(case: str, world_size: int) -> list[dict]:
         for r in range(world_size):
             losses[r].append(loss.item())
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    buffers = [{k: v.detach().clone() for k, v in b.items()} for b in buffers]
+    # the state dict's buffers, rank r's own (not the non-persistent ones: a rotary table)
+    buffers = [{k: v.detach().clone() for k, v in b.items() if k in params} for b in buffers]
     return [
         {"losses": losses[r], "state": {**params, **buffers[r]}} for r in range(world_size)
     ]

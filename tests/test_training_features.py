@@ -72,6 +72,24 @@ def test_frozen_parameters_get_no_gradient_and_stay_put(world2, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_lora_trains_only_the_adapters_and_reduces_only_theirs(world2, mode):
+    """PEFT's LoRA (``test_matches_single_process[peft_lora-*]`` has the numerics): the frozen
+    base weights keep their values and get no gradient; every adapter trains; and the compiled
+    backward reduce-scatters the adapters' gradients and nothing else."""
+    init = build("peft_lora")
+    adapters = sorted(n for n, p in init.named_parameters() if p.requires_grad)
+    assert len(adapters) == 8 and all(".lora_" in n for n in adapters)  # 2 layers x q, v x A, B
+    for rank_results in world2:
+        result = rank_results[("peft_lora", mode)]
+        assert result["frozen_with_grad"] == []
+        for name, param in init.named_parameters():
+            moved = not torch.equal(result["state"][name], param)
+            assert moved == param.requires_grad, name
+        if mode == "compiled":
+            assert result["reduced_params"] == adapters
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_batchnorm_statistics_stay_per_rank(world2, mode):
     """As in DDP: each rank's running statistics come from its own batches only."""
     means = [r[("batchnorm_eval", mode)]["state"]["net.1.running_mean"] for r in world2]
