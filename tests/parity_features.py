@@ -178,6 +178,23 @@ def peft_lora() -> nn.Module:
     return get_peft_model(LlamaForCausalLM(config), lora)
 
 
+def save_adapters(model: nn.Module) -> dict:
+    """PEFT's ``save_pretrained`` from the sharded model, rank 0 writing; the file as read back
+    on every rank (keys as PEFT writes them, without the adapter's name)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = [tmp]
+        dist.broadcast_object_list(directory, src=0)
+        model.save_pretrained(directory[0], is_main_process=dist.get_rank() == 0)
+        dist.barrier()
+        saved = load_file(f"{directory[0]}/adapter_model.safetensors")
+        dist.barrier()  # rank 0 removes its directory only once every rank has read it
+    return {"saved_adapters": saved}
+
+
 def _causal_lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return model(input_ids=batch[0], labels=batch[0]).loss
 
@@ -209,11 +226,13 @@ class FeatureCase:
     eval_mode: Callable[[], object] = torch.no_grad
     # The loss of one batch (the model returns it, unless the case says otherwise).
     loss: Callable[[nn.Module, tuple], torch.Tensor] = lambda model, batch: model(*batch)
+    # After training: what the user exports from the sharded model, into the rank's result.
+    export: Callable[[nn.Module], dict] | None = None
 
 
 CASES: dict[str, FeatureCase] = {
     "frozen_tied": FeatureCase(frozen_tied, _tokens, shard=tied_shard),
-    "peft_lora": FeatureCase(peft_lora, _lm_tokens, loss=_causal_lm_loss),
+    "peft_lora": FeatureCase(peft_lora, _lm_tokens, loss=_causal_lm_loss, export=save_adapters),
     "grad_hooks": FeatureCase(grad_hooks, _regression),
     "batchnorm_eval": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP),
     "batchnorm_inference_mode": FeatureCase(BatchNormNet, _regression, eval_step=EVAL_STEP,
@@ -285,6 +304,7 @@ def train_sharded(rank: int, world_size: int, case: str, mode: str) -> dict:
         ],
         "graphs": len(backend.graphs),
         "reduced_params": _reduced_params(backend),
+        **(spec.export(model) if spec.export else {}),
     }
 
 

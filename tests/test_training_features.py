@@ -75,7 +75,8 @@ def test_frozen_parameters_get_no_gradient_and_stay_put(world2, mode):
 def test_lora_trains_only_the_adapters_and_reduces_only_theirs(world2, mode):
     """PEFT's LoRA (``test_matches_single_process[peft_lora-*]`` has the numerics): the frozen
     base weights keep their values and get no gradient; every adapter trains; and the compiled
-    backward reduce-scatters the adapters' gradients and nothing else."""
+    backward reduce-scatters the adapters' gradients and nothing else. PEFT's
+    ``save_pretrained`` then writes the trained adapters whole."""
     init = build("peft_lora")
     adapters = sorted(n for n, p in init.named_parameters() if p.requires_grad)
     assert len(adapters) == 8 and all(".lora_" in n for n in adapters)  # 2 layers x q, v x A, B
@@ -87,6 +88,11 @@ def test_lora_trains_only_the_adapters_and_reduces_only_theirs(world2, mode):
             assert moved == param.requires_grad, name
         if mode == "compiled":
             assert result["reduced_params"] == adapters
+        # PEFT's save_pretrained writes each adapter whole, as trained
+        saved = result["saved_adapters"]
+        assert sorted(saved) == sorted(n.replace(".default.", ".") for n in adapters)
+        for name in adapters:
+            assert torch.equal(saved[name.replace(".default.", ".")], result["state"][name]), name
 
 
 @pytest.mark.parametrize("mode", MODES)
